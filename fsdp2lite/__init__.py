@@ -1,0 +1,24 @@
+"""fsdp2lite: FSDP2-style per-parameter sharding on DTensor and c10d.
+
+    import fsdp2lite as fl
+    for block in model.blocks:
+        fl.fully_shard(block)
+    fl.fully_shard(model)
+"""
+
+from __future__ import annotations
+
+from .api import FSDPModule, UnshardHandle, fully_shard
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "__version__",
+    "fully_shard",
+]

@@ -1,0 +1,228 @@
+"""One sharded parameter: its padded local shard, its DTensor, its unsharded storage.
+
+Layout, for a parameter of ``dim0`` rows sharded over ``shard_size`` ranks ([Note: padded shard]):
+
+    padded_rows = ceil(dim0 / shard_size)          every rank stores padded_rows rows
+    rank r holds rows [r * padded_rows, min((r + 1) * padded_rows, dim0))   (torch.chunk on dim 0)
+
+    dim0=5, shard_size=4 -> padded_rows=2: rank0 rows 0-1, rank1 rows 2-3, rank2 row 4 (+1 pad row),
+    rank3 no rows (2 pad rows). Every rank contributes padded_rows rows to the all-gather, so the
+    all-gather is one equal-sized collective; the DTensor's local tensor is the unpadded view
+    ``padded_shard[:local_rows]``, and ``DTensor.full_tensor()`` gives back the original.
+
+The unsharded parameter is one ``nn.Parameter`` that lives across steps (autograd saves it during
+forward and accumulates its gradient); only its storage comes and goes ([Note: unsharded storage]).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..mesh import MeshInfo
+from .states import ShardedState
+
+# [Note: unsharded storage]
+# Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
+# and refills it, so the Parameter object and every tensor autograd saved from it stay valid: they see
+# the data again once the group is unsharded for backward. The refill writes through ``.data`` so the
+# parameter's version counter does not move (the values are the same ones autograd saved).
+
+
+@dataclass(frozen=True)
+class ParamPlace:
+    """One place a parameter is registered: ``module.<name>`` (tied parameters have several)."""
+
+    module: nn.Module
+    name: str
+
+
+def rank_major_pairs(
+    full: torch.Tensor, rank_major: torch.Tensor, padded_rows: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of matching views between a full tensor and its rank-major padded layout.
+
+    ``full`` is the contiguous ``(dim0, *rest)`` tensor; ``rank_major`` is ``(shard_size, padded_numel)``
+    with row r holding rank r's padded shard. Copying each pair one way is the all-gather copy-out,
+    the other way the reduce-scatter copy-in. Padding rows get no pair (see ``padding_views``).
+    Example: dim0=5, padded_rows=2, shard_size=4 -> ranks 0-1 as one (2, 2, row) block, then row 4.
+    """
+    dim0 = full.shape[0]
+    if dim0 == 0 or padded_rows == 0:
+        return
+    full_2d = full.view(dim0, -1)  # (dim0, row_numel)
+    row_numel = full_2d.shape[1]
+    full_ranks, rem_rows = divmod(dim0, padded_rows)
+    if full_ranks:
+        yield (
+            full_2d[: full_ranks * padded_rows].view(full_ranks, padded_rows, row_numel),
+            rank_major[:full_ranks].view(full_ranks, padded_rows, row_numel),
+        )
+    if rem_rows:
+        yield (
+            full_2d[full_ranks * padded_rows :],
+            rank_major[full_ranks, : rem_rows * row_numel].view(rem_rows, row_numel),
+        )
+
+
+def padding_views(rank_major: torch.Tensor, dim0: int, padded_rows: int) -> Iterator[torch.Tensor]:
+    """The parts of a rank-major layout that are padding (no row of the full tensor maps there)."""
+    if padded_rows == 0:
+        return
+    shard_size, padded_numel = rank_major.shape
+    row_numel = padded_numel // padded_rows
+    full_ranks, rem_rows = divmod(dim0, padded_rows)
+    if full_ranks < shard_size:
+        yield rank_major[full_ranks, rem_rows * row_numel :]
+        if full_ranks + 1 < shard_size:
+            yield rank_major[full_ranks + 1 :]
+
+
+class FSDPParam:
+    """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
+
+    fqn: str  # name relative to the module fully_shard was called on (for messages)
+    places: tuple[ParamPlace, ...]
+    orig_shape: torch.Size
+    orig_dtype: torch.dtype
+    requires_grad: bool
+    mesh_info: MeshInfo
+    padded_rows: int
+    local_rows: int
+    padded_shard: torch.Tensor  # (padded_rows, *rest): all-gather input, padding rows are zero
+    sharded_param: nn.Parameter  # DTensor with local tensor padded_shard[:local_rows]
+    unsharded_param: nn.Parameter | None  # created on first unshard, kept across steps
+    sharded_state: ShardedState
+    orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
+
+    def __init__(
+        self, param: nn.Parameter, fqn: str, places: tuple[ParamPlace, ...], mesh_info: MeshInfo
+    ) -> None:
+        self.fqn = fqn
+        self.places = places
+        self.orig_shape = param.shape
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.mesh_info = mesh_info
+        self.orig_param_ref = weakref.ref(param)
+        dim0, ws, rank = param.shape[0], mesh_info.shard_size, mesh_info.shard_rank
+        self.padded_rows = math.ceil(dim0 / ws)
+        self.local_rows = max(0, min(self.padded_rows, dim0 - rank * self.padded_rows))
+        start = rank * self.padded_rows
+        self.padded_shard = self._new_padded_shard(param.detach()[start : start + self.local_rows])
+        self.sharded_param = nn.Parameter(
+            self._to_dtensor(self.padded_shard[: self.local_rows]), requires_grad=self.requires_grad
+        )
+        self.unsharded_param = None
+        self.sharded_state = ShardedState.SHARDED
+        self._set_on_modules(self.sharded_param)
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
+        """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows."""
+        padded = torch.zeros(
+            (self.padded_rows, *self.orig_shape[1:]), dtype=local.dtype, device=local.device
+        )
+        if local.device.type != "meta" and self.local_rows:
+            padded[: self.local_rows].copy_(local)
+        return padded
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh_info.mesh,
+            self.mesh_info.placements,
+            run_check=False,
+            shape=self.orig_shape,
+            stride=torch.empty(self.orig_shape, device="meta").stride(),
+        )
+
+    def _set_on_modules(self, tensor: nn.Parameter) -> None:
+        for place in self.places:
+            place.module._parameters[place.name] = tensor
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of one rank's padded shard: each rank's slot in the flat buffers."""
+        return self.padded_shard.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.padded_shard.device
+
+    def reset_sharded_param(self) -> None:
+        """Re-adopt the sharded parameter after ``to_empty``/``to``/``load_state_dict(assign=True)``.
+
+        Those replace the DTensor's local tensor (or the Parameter itself); the runtime all-gathers
+        from ``padded_shard``, so the new local data is copied into a padded buffer and the DTensor
+        is pointed back at a view of it.
+        """
+        registered = self.places[0].module._parameters[self.places[0].name]
+        if isinstance(registered, DTensor) and registered is not self.sharded_param:
+            self.sharded_param = registered  # type: ignore[assignment]
+            self._set_on_modules(self.sharded_param)
+        local = self.sharded_param._local_tensor
+        if (
+            local.device == self.padded_shard.device
+            and local.dtype == self.padded_shard.dtype
+            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
+        ):
+            return
+        self.padded_shard = self._new_padded_shard(local)
+        self.sharded_param._local_tensor = self.padded_shard[: self.local_rows]
+        if self.unsharded_param is not None and self.unsharded_param.device != self.device:
+            self.unsharded_param = None
+
+    # ---- state transitions ----------------------------------------------------------------
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Allocate the unsharded storage; returns the tensor to copy the all-gathered data into."""
+        if self.unsharded_param is None:
+            self.unsharded_param = nn.Parameter(
+                torch.empty(self.orig_shape, dtype=self.orig_dtype, device=self.device),
+                requires_grad=self.requires_grad,
+            )
+        else:
+            storage = self.unsharded_param.untyped_storage()
+            nbytes = self.unsharded_param.numel() * self.unsharded_param.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)  # [Note: unsharded storage]
+        return self.unsharded_param.data  # writes here do not bump the version counter
+
+    def to_unsharded(self) -> None:
+        """Register the (already filled) unsharded parameter on the modules."""
+        if self.unsharded_param is None:
+            raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
+        self._set_on_modules(self.unsharded_param)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        """Register the sharded DTensor on the modules and free the unsharded storage."""
+        self._set_on_modules(self.sharded_param)
+        if self.unsharded_param is not None:
+            self.unsharded_param.untyped_storage().resize_(0)  # [Note: unsharded storage]
+        self.sharded_state = ShardedState.SHARDED
+
+    # ---- gradients ------------------------------------------------------------------------
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient accumulated by autograd, detached from the parameter."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return None
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        return grad
+
+    def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
+        """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``."""
+        local_grad = padded_grad.view(self.padded_shard.shape)[: self.local_rows]
+        local_grad = local_grad.to(self.orig_dtype)
+        current = self.sharded_param.grad
+        if current is None:
+            self.sharded_param.grad = self._to_dtensor(local_grad)
+        else:
+            current._local_tensor.add_(local_grad)  # type: ignore[attr-defined]

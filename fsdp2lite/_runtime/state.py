@@ -1,0 +1,211 @@
+"""Per-call state: the hooks that drive a group through a step, lazy root init, the end-of-backward callback.
+
+When each phase runs:
+    pre-forward hook   -> (root: lazy init) -> group.pre_forward (unshard); a _PostBackward node is put
+                          on the inputs so that its backward tells us when the group's grads are done
+    post-forward hook  -> group.post_forward (reshard unless kept); a hook on the outputs' grads
+    output grad ready  -> pre-backward: queue the root's end-of-backward callback once, unshard
+    inputs' grad ready -> post-backward: reshard, reduce-scatter
+    end of backward    -> RootContext.finalize_backward: post-backward for groups autograd skipped,
+                          wait for every reduction, reshard, go idle
+
+[Note: recompute]
+Activation checkpointing (use_reentrant=False) re-runs a module's forward inside backward, after the
+group's pre-backward hook has unsharded it (the hook fires on the output grad, before the nodes that
+need the saved tensors). The forward hooks then do nothing: the group is already unsharded and must
+stay so for its backward. The recompute may also stop early, skipping post-forward hooks, so the
+end-of-backward callback clears the per-forward bookkeeping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .group import FSDPParamGroup
+from .states import TrainingState
+
+
+class RootContext:
+    """State shared by every group under one root; owned by the root's FSDPState."""
+
+    states: list[FSDPState]  # root first, then the others in module order
+    forward_order: list[FSDPParamGroup]  # groups in the order of the first forward
+    order_recorded: bool
+    final_callback_queued: bool
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.forward_order = []
+        self.order_recorded = False
+        self.final_callback_queued = False
+
+    def groups(self) -> list[FSDPParamGroup]:
+        return [state.group for state in self.states if state.group is not None]
+
+    def queue_final_callback(self) -> None:
+        if self.final_callback_queued:
+            return
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def finalize_backward(self) -> None:
+        """Runs once autograd has finished the whole backward pass."""
+        # Reverse module order mirrors the backward; every rank walks the same list, so any
+        # reduce-scatter issued here is issued in the same order on all ranks.
+        for group in reversed(self.groups()):
+            group.finalize_backward()
+        for state in self.states:
+            state.modules_in_forward.clear()  # a recompute stopped early never ran its post-forward
+        self.final_callback_queued = False
+
+    def reset(self) -> None:
+        for group in self.groups():
+            group.reset()
+        for state in self.states:
+            state.modules_in_forward.clear()
+        self.final_callback_queued = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a group's forward inputs; its backward runs once the group's grads are done."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.group.needs_post_backward:
+            ctx.group.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    """What one fully_shard call adds to its module(s): a group (if it owns parameters) and hooks."""
+
+    modules: tuple[nn.Module, ...]
+    group: FSDPParamGroup | None
+    is_root: bool | None  # None until the first forward decides
+    root_context: RootContext | None
+    modules_in_forward: set[int]  # ids of this call's modules whose forward is running
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None) -> None:
+        self.modules = modules
+        self.group = group
+        self.is_root = None
+        self.root_context = None
+        self.modules_in_forward = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
+
+    # ---- lazy init --------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """Make this state the root of every fully_shard state below its module."""
+        root_module = self.modules[0]
+        states: list[FSDPState] = [self]
+        names: dict[int, str] = {}
+        for name, module in root_module.named_modules():
+            state = getattr(module, "_fsdp_state", None)
+            if state is None:
+                continue
+            names.setdefault(id(state), name)
+            if state is not self and state not in states:
+                states.append(state)
+        context = RootContext(states)
+        for state in states:
+            state.is_root = state is self
+            state.root_context = context
+            if state.group is not None:
+                state.group.name = names[id(state)]
+                state.init_group_for_root(state.group)
+
+    def init_group_for_root(self, group: FSDPParamGroup) -> None:
+        if group.reshard_after_forward is None:
+            group.reshard_after_forward = not self.is_root  # the root is used first in backward
+        group.reset_sharded_params()
+        for param in group.params:
+            if param.device.type == "meta":
+                raise RuntimeError(
+                    f"parameter '{param.fqn}' of group '{group.name or '<root>'}' is still on the meta "
+                    "device at the first forward: call model.to_empty(device=...) and initialize the "
+                    "parameters (e.g. reset_parameters()) before running the model"
+                )
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _pre_forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
+            return None  # activation-checkpoint recompute: see [Note: recompute]
+        first = not self.modules_in_forward
+        self.modules_in_forward.add(id(module))
+        if not first:
+            return None  # the group was unsharded by the first of its modules to run
+        return self._pre_forward(args, kwargs)
+
+    def _pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.is_root is None:
+            self.lazy_init()
+        group = self.group
+        if group is None:
+            return args, kwargs
+        context = self.root_context
+        if context is not None and not context.order_recorded and group not in context.forward_order:
+            context.forward_order.append(group)
+        group.pre_forward()
+        if torch.is_grad_enabled():
+            return _attach_post_backward(group, args, kwargs)
+        return args, kwargs
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
+            return None  # activation-checkpoint recompute: see [Note: recompute]
+        self.modules_in_forward.discard(id(module))
+        if self.modules_in_forward:
+            return None
+        return self._post_forward(output)
+
+    def _post_forward(self, output: Any) -> Any:
+        group = self.group
+        if self.is_root and self.root_context is not None:
+            self.root_context.order_recorded = True
+        if group is None:
+            return output
+        grad_enabled = torch.is_grad_enabled()
+        group.post_forward(grad_enabled)
+        if grad_enabled:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _pre_backward(self, _grad: torch.Tensor) -> None:
+        if self.root_context is not None:
+            self.root_context.queue_final_callback()
+        if self.group is not None:
+            self.group.pre_backward()
+
+
+def _attach_post_backward(
+    group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Route the inputs that need grad through ``_PostBackward`` (others need no node)."""
+    flat, spec = tree_flatten((args, kwargs))
+    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not indices:
+        return args, kwargs  # the end-of-backward callback does this group's post-backward
+    outputs = _PostBackward.apply(group, *(flat[i] for i in indices))
+    for i, out in zip(indices, outputs):
+        flat[i] = out
+    new_args, new_kwargs = tree_unflatten(flat, spec)
+    return new_args, new_kwargs

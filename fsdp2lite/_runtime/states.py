@@ -1,0 +1,26 @@
+"""The two state machines of the runtime, as enums.
+
+``TrainingState`` says which phase of a step a group is in; ``ShardedState`` says where a group's
+parameters currently live. Transitions are methods on the owners (``FSDPParam.to_sharded`` and friends),
+which check their preconditions explicitly.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+
+class TrainingState(Enum):
+    """Phase of the current step, per group."""
+
+    IDLE = auto()  # between steps, or after the end-of-backward callback
+    FORWARD = auto()  # between pre-forward and post-forward
+    PRE_BACKWARD = auto()  # unsharded for backward; the group's gradients are being computed
+    POST_BACKWARD = auto()  # gradients taken and reduced; waiting for the end of backward
+
+
+class ShardedState(Enum):
+    """Where a group's parameters live."""
+
+    SHARDED = auto()  # only the padded local shard exists; modules hold the DTensor parameters
+    UNSHARDED = auto()  # full parameters allocated and registered on the modules

@@ -1,0 +1,312 @@
+"""``fully_shard`` and ``FSDPModule``: the public face of the runtime.
+
+``fully_shard(module)`` takes the parameters of ``module`` that no nested ``fully_shard`` call owns,
+shards each on dim 0 as a DTensor, makes them one communication group, registers the hooks and swaps
+the module's class to a subclass of ``FSDPModule`` in place. Call it bottom-up: blocks first, root last.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._runtime.group import FSDPParamGroup
+from ._runtime.param import FSDPParam, ParamPlace
+from ._runtime.state import FSDPState
+from .mesh import MeshInfo, default_mesh, mesh_info_for
+from .policies import MixedPrecisionPolicy, OffloadPolicy
+
+M = TypeVar("M", nn.Module, list[nn.Module])
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixin swapped into a module's class by ``fully_shard``; its methods steer the runtime."""
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's group now (e.g. ahead of use); ``async_op`` returns a handle."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reset_sharded_params()
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters; the DTensor parameters are registered again."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn the gradient reduce-scatter off (grads accumulate unsharded) or back on."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free (True) or keep (False) the unsharded parameters between forward and backward."""
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters after backward (False), e.g. across accumulation steps.
+
+        With False the parameters stay unsharded until ``reshard()`` or a backward with True, so
+        reshard before ``optimizer.step()``: the step updates the shards, not the unsharded copies.
+        """
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception mid-step: finish in-flight work, reshard, clear step state."""
+        context = self._fsdp_state.root_context
+        if context is not None:
+            context.reset()
+        else:
+            for group in self._groups(recurse=True):
+                group.reset()
+            self._fsdp_state.modules_in_forward.clear()
+
+    def _groups(self, recurse: bool) -> Iterator[FSDPParamGroup]:
+        modules: Iterable[nn.Module] = self.modules() if recurse else (self,)  # type: ignore[attr-defined]
+        seen: set[int] = set()
+        for module in modules:
+            state = getattr(module, "_fsdp_state", None)
+            if state is None or state.group is None or id(state) in seen:
+                continue
+            seen.add(id(state))
+            yield state.group
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """After ``to``/``to_empty``/``cuda``, point the DTensors back at padded shards."""
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reset_sharded_params()
+        return result
+
+
+@functools.cache
+def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+def fully_shard(
+    module: M,
+    mesh: DeviceMesh | None = None,
+    *,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> M:
+    """Shard ``module`` (or a list of modules, as one group) over ``mesh``; returns it, now an FSDPModule.
+
+    Args:
+        module: a module with a ``forward``, or a non-empty list of them forming one group.
+        mesh: a 1D ``DeviceMesh``; None builds one over the default process group.
+        reshard_after_forward: free the unsharded parameters after forward (True), keep them until
+            backward (False), or None: False for the root, True for every other group.
+        mp_policy: accepted; mixed precision is not implemented yet (a non-default policy raises).
+        offload_policy: accepted; CPU offload is not implemented yet (CPUOffloadPolicy raises).
+        ignored_params: parameters left unsharded and unreduced.
+    """
+    modules = _check_modules(module)
+    _check_reshard_after_forward(reshard_after_forward)
+    _check_policies(mp_policy, offload_policy)
+    ignored = _check_ignored(ignored_params)
+    owned = _collect_params(modules, ignored)
+    mesh_info = _mesh_info(mesh, owned)
+    params = tuple(
+        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info)
+        for fqn, param, places in owned
+    )
+    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
+    state = FSDPState(modules, group)
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+# ---- input checks: each raises naming the offending value and what is allowed -------------------
+def _check_modules(module: Any) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; pass a module or a non-empty list")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__[len('FSDP'):]}; "
+                "each module can be sharded once"
+            )
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its hooks would "
+                "never run. Shard its children instead, e.g. `for block in model.layers: fully_shard(block)`"
+            )
+    return modules
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _check_reshard_after_forward(value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True, False or None (root False, others True), "
+            f"got {value!r} ({type(value).__name__})"
+        )
+
+
+def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
+    if mp_policy is not None:
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
+        if not mp_policy.is_noop:
+            raise NotImplementedError(
+                f"mixed precision is not implemented yet; got {mp_policy!r}. "
+                "Use MixedPrecisionPolicy() (no casts) or leave mp_policy=None"
+            )
+    if offload_policy is not None:
+        if not isinstance(offload_policy, OffloadPolicy):
+            raise TypeError(
+                f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}"
+            )
+        if type(offload_policy) is not OffloadPolicy:
+            raise NotImplementedError(
+                f"CPU offload is not implemented yet; got {offload_policy!r}. Use OffloadPolicy() or None"
+            )
+
+
+def _check_ignored(ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, Iterable) or isinstance(ignored_params, torch.Tensor):
+        raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
+    ignored = list(ignored_params)
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameter objects, got a {type(p).__name__}")
+    return {id(p) for p in ignored}
+
+
+def _walk(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    """Modules under ``module`` that no nested fully_shard call owns (each once)."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    for name, child in module.named_children():
+        if isinstance(child, FSDPModule):
+            continue
+        yield from _walk(child, f"{prefix}{name}.", seen)
+
+
+def _nested_params(modules: tuple[nn.Module, ...]) -> dict[int, str]:
+    """id(original Parameter) -> name, for parameters that nested fully_shard calls took."""
+    taken: dict[int, str] = {}
+    for root in modules:
+        for module in root.modules():
+            state = getattr(module, "_fsdp_state", None)
+            if state is None or state.group is None:
+                continue
+            for param in state.group.params:
+                original = param.orig_param_ref()
+                if original is not None:
+                    taken[id(original)] = f"{state.group.name}.{param.fqn}"
+    return taken
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[int]
+) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """The parameters this call owns, with every (module, name) place they are registered at."""
+    owned: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    taken = _nested_params(modules)
+    seen: set[int] = set()
+    for index, root in enumerate(modules):
+        root_prefix = f"[{index}]." if len(modules) > 1 else ""
+        for prefix, module in _walk(root, root_prefix, seen):
+            for name, param in module._parameters.items():
+                if param is None or id(param) in ignored:
+                    continue
+                fqn = f"{prefix}{name}"
+                _check_param(param, fqn, type(module).__name__, taken)
+                entry = owned.setdefault(id(param), (fqn, param, []))
+                entry[2].append((module, name))
+    return list(owned.values())
+
+
+def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str]) -> None:
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter '{fqn}' of {owner} is already a DTensor: fully_shard was applied to a module "
+            "that encloses it first. Apply fully_shard bottom-up: submodules first, then the root"
+        )
+    if id(param) in taken:
+        raise ValueError(
+            f"parameter '{fqn}' of {owner} is tied to '{taken[id(param)]}', which a nested fully_shard "
+            "call already sharded; tied parameters must be in one group: shard a module containing "
+            "every use (or leave the tied modules to the enclosing call)"
+        )
+    if param.dim() == 0:
+        raise ValueError(
+            f"parameter '{fqn}' of {owner} is 0-dim (a scalar); fully_shard shards on dim 0. "
+            "Make it shape (1,) or pass it in ignored_params"
+        )
+
+
+def _mesh_info(
+    mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+) -> MeshInfo:
+    devices = {param.device for _, param, _ in owned}
+    real = {d for d in devices if d.type != "meta"}
+    if len({d.type for d in real}) > 1:
+        raise ValueError(f"parameters of one fully_shard call must share a device type, got {sorted(map(str, real))}")
+    if mesh is None:
+        device_type = next(iter(real)).type if real else ("cuda" if torch.cuda.is_available() else "cpu")
+        mesh = default_mesh(device_type)
+    info = mesh_info_for(mesh)
+    for fqn, param, _ in owned:
+        if param.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"parameter '{fqn}' is on {param.device} but the mesh is a '{mesh.device_type}' mesh; "
+                f"move the module to {mesh.device_type} (or build it on the meta device) before "
+                "fully_shard, or pass a mesh of its device type"
+            )
+    return info

@@ -1,0 +1,88 @@
+"""A small GPT-like model: the demo's, the benchmarks' and the tests' workhorse.
+
+Blocks are the natural fully_shard groups; the root keeps the embeddings, final norm and head
+(the head is tied to the token embedding when ``tie_embeddings``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # byte-level by default
+    seq_len: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    tie_embeddings: bool = True
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=-1)  # each (batch, seq, d_model)
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (batch, heads, seq, head_dim)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def shard_gpt(model: GPT, mesh: object | None = None, **kwargs: object) -> GPT:
+    """Shard the blocks one group each, then the root (embeddings, norm, head)."""
+    from .api import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, mesh, **kwargs)  # type: ignore[arg-type]
+    return model

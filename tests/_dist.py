@@ -1,0 +1,40 @@
+"""Spawn real gloo process groups on CPU for multi-process tests.
+
+``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on every rank; an exception on
+any rank fails the calling test with that rank's traceback. Rendezvous is through a temporary file,
+so no port is ever guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, init_file: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows the suite down
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    fd, init_file = tempfile.mkstemp(prefix="fsdp2lite_pg_")
+    os.close(fd)
+    os.unlink(init_file)  # FileStore wants a path it can create
+    try:
+        mp.spawn(_entry, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
