@@ -1,9 +1,9 @@
 """fsdp2lite: FSDP2-style per-parameter sharding on DTensor and c10d.
 
-    import fsdp2lite as fl
-    for block in model.blocks:
-        fl.fully_shard(block)
-    fl.fully_shard(model)
+import fsdp2lite as fl
+for block in model.blocks:
+    fl.fully_shard(block)
+fl.fully_shard(model)
 """
 
 from __future__ import annotations

@@ -89,14 +89,16 @@ class FSDPModule:
             group.gradient_divide_factor = float(factor)
 
     def reset_iter_state(self) -> None:
-        """Recover after an exception mid-step: finish in-flight work, reshard, clear step state."""
+        """Recover after an exception mid-step: finish in-flight work, reshard, clear step state.
+
+        Call it on the root. After an exception in backward the partial unsharded gradients are
+        dropped (zero the sharded ones with the optimizer and redo the step); after one in
+        forward, gradients accumulated with sync off are kept.
+        """
         context = self._fsdp_state.root_context
-        if context is not None:
-            context.reset()
-        else:
-            for group in self._groups(recurse=True):
-                group.reset()
-            self._fsdp_state.modules_in_forward.clear()
+        if context is None:
+            return  # never ran forward: nothing to reset
+        context.reset()
 
     def _groups(self, recurse: bool) -> Iterator[FSDPParamGroup]:
         modules: Iterable[nn.Module] = self.modules() if recurse else (self,)  # type: ignore[attr-defined]
@@ -148,8 +150,7 @@ def fully_shard(
     owned = _collect_params(modules, ignored)
     mesh_info = _mesh_info(mesh, owned)
     params = tuple(
-        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info)
-        for fqn, param, places in owned
+        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info) for fqn, param, places in owned
     )
     group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
     state = FSDPState(modules, group)
@@ -169,7 +170,7 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__[len('FSDP'):]}; "
+                f"fully_shard was already applied to this {type(m).__name__[len('FSDP') :]}; "
                 "each module can be sharded once"
             )
         if type(m).forward is nn.Module.forward:
@@ -204,9 +205,7 @@ def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
             )
     if offload_policy is not None:
         if not isinstance(offload_policy, OffloadPolicy):
-            raise TypeError(
-                f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}"
-            )
+            raise TypeError(f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}")
         if type(offload_policy) is not OffloadPolicy:
             raise NotImplementedError(
                 f"CPU offload is not implemented yet; got {offload_policy!r}. Use OffloadPolicy() or None"
@@ -241,14 +240,14 @@ def _nested_params(modules: tuple[nn.Module, ...]) -> dict[int, str]:
     """id(original Parameter) -> name, for parameters that nested fully_shard calls took."""
     taken: dict[int, str] = {}
     for root in modules:
-        for module in root.modules():
+        for path, module in root.named_modules():
             state = getattr(module, "_fsdp_state", None)
             if state is None or state.group is None:
                 continue
             for param in state.group.params:
                 original = param.orig_param_ref()
                 if original is not None:
-                    taken[id(original)] = f"{state.group.name}.{param.fqn}"
+                    taken[id(original)] = f"{path}.{param.fqn}" if path else param.fqn
     return taken
 
 
@@ -291,9 +290,7 @@ def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str
         )
 
 
-def _mesh_info(
-    mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
-) -> MeshInfo:
+def _mesh_info(mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> MeshInfo:
     devices = {param.device for _, param, _ in owned}
     real = {d for d in devices if d.type != "meta"}
     if len({d.type for d in real}) > 1:
@@ -301,7 +298,10 @@ def _mesh_info(
     if mesh is None:
         device_type = next(iter(real)).type if real else ("cuda" if torch.cuda.is_available() else "cpu")
         mesh = default_mesh(device_type)
-    info = mesh_info_for(mesh)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard(mesh=...) takes a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}"
+        )
     for fqn, param, _ in owned:
         if param.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
@@ -309,4 +309,4 @@ def _mesh_info(
                 f"move the module to {mesh.device_type} (or build it on the meta device) before "
                 "fully_shard, or pass a mesh of its device type"
             )
-    return info
+    return mesh_info_for(mesh)

@@ -47,12 +47,7 @@ class MeshInfo:
 
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
-    """Validate ``mesh`` for fully_shard and describe it; raises naming what is wrong."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard(mesh=...) takes a torch.distributed.device_mesh.DeviceMesh or None, "
-            f"got {type(mesh).__name__}"
-        )
+    """Describe ``mesh`` for the runtime; raises naming the shape when it is not supported."""
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
         raise ValueError(

@@ -45,7 +45,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

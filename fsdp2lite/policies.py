@@ -66,9 +66,7 @@ class MixedPrecisionPolicy(BaseModel):
     output_dtype: DType = Field(
         None, description="dtype that floating-point forward outputs are cast to. None: no cast."
     )
-    cast_forward_inputs: bool = Field(
-        True, description="cast floating-point forward inputs to param_dtype."
-    )
+    cast_forward_inputs: bool = Field(True, description="cast floating-point forward inputs to param_dtype.")
 
     @property
     def is_noop(self) -> bool:

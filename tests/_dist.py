@@ -19,9 +19,7 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn: Callable[..., None], world_size: int, init_file: str, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows the suite down
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()

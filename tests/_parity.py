@@ -33,7 +33,9 @@ def assert_params_match(model: nn.Module, ref: nn.Module, what: str, grads: bool
             assert mine is None, f"{what}: {name} has a grad, DDP has none"
             continue
         assert mine is not None, f"{what}: {name} has no grad, DDP has one"
-        torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(
+            mine, theirs, rtol=RTOL, atol=ATOL, msg=lambda m, what=what, name=name: f"{what} {name}: {m}"
+        )
 
 
 def train_and_compare(
@@ -73,7 +75,9 @@ def train_and_compare(
                 with ddp.no_sync():
                     ref_loss = loss_fn(ddp, batch)
                     ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} loss: {m}")
+            torch.testing.assert_close(
+                loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m, what=what: f"{what} loss: {m}"
+            )
         if clip_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
             ref_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip_norm)

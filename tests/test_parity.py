@@ -57,9 +57,23 @@ def scenario_layout(rank: int, ws: int) -> None:
 def scenario_reshard_modes(rank: int, ws: int) -> None:
     for reshard in RESHARD_MODES:
         torch.manual_seed(0)
-        train_and_compare(UnevenMLP(), shard_blocks(reshard), mlp_batch, mlp_loss, rank, label=f"mlp reshard={reshard}")
+        train_and_compare(
+            UnevenMLP(),
+            shard_blocks(reshard),
+            mlp_batch,
+            mlp_loss,
+            rank,
+            label=f"mlp reshard={reshard}",
+        )
         torch.manual_seed(0)
-        train_and_compare(tiny_gpt(), shard_blocks(reshard), gpt_batch, gpt_loss, rank, label=f"tied gpt reshard={reshard}")
+        train_and_compare(
+            tiny_gpt(),
+            shard_blocks(reshard),
+            gpt_batch,
+            gpt_loss,
+            rank,
+            label=f"tied gpt reshard={reshard}",
+        )
 
 
 def scenario_frozen(rank: int, ws: int) -> None:
@@ -75,8 +89,13 @@ def scenario_grad_accumulation(rank: int, ws: int) -> None:
     for reshard in (True, False):
         torch.manual_seed(0)
         train_and_compare(
-            UnevenMLP(), shard_blocks(reshard), mlp_batch, mlp_loss, rank,
-            microbatches=3, label=f"accumulate reshard={reshard}",
+            UnevenMLP(),
+            shard_blocks(reshard),
+            mlp_batch,
+            mlp_loss,
+            rank,
+            microbatches=3,
+            label=f"accumulate reshard={reshard}",
         )
 
 
@@ -84,7 +103,14 @@ def scenario_activation_checkpointing(rank: int, ws: int) -> None:
     for reshard in (True, False):
         torch.manual_seed(0)
         model = UnevenMLP(checkpoint_blocks=True)
-        train_and_compare(model, shard_blocks(reshard), mlp_batch, mlp_loss, rank, label=f"checkpoint reshard={reshard}")
+        train_and_compare(
+            model,
+            shard_blocks(reshard),
+            mlp_batch,
+            mlp_loss,
+            rank,
+            label=f"checkpoint reshard={reshard}",
+        )
 
 
 def scenario_meta_init(rank: int, ws: int) -> None:

@@ -80,9 +80,7 @@ def wait_all_gather(result: AllGatherResult) -> torch.Tensor:
     return result.all_gather_output
 
 
-def copy_out_all_gather(
-    all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], shard_size: int
-) -> None:
+def copy_out_all_gather(all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], shard_size: int) -> None:
     """Copy each parameter's rows out of the rank-major all-gather output into unsharded storage."""
     offsets = _offsets(params)
     rank_major = all_gather_output.view(shard_size, offsets[-1])
@@ -113,7 +111,11 @@ def issue_reduce_scatter(
             pad.zero_()
     reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=device)
     work = _reduce_scatter_flat(
-        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=True
+        reduce_scatter_output,
+        reduce_scatter_input,
+        op=dist.ReduceOp.SUM,
+        group=group,
+        async_op=True,
     )
     return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, work)
 

@@ -155,13 +155,18 @@ class FSDPParamGroup:
             self.reshard()
         self.training_state = TrainingState.IDLE
 
-    def reset(self) -> None:
+    def reset(self, drop_unsharded_grads: bool) -> None:
         """Drop per-step state after an exception: finish in-flight work, reshard, go idle.
 
-        Unsharded gradients (from microbatches with gradient sync off) are kept, not discarded.
+        ``drop_unsharded_grads`` when the exception hit during backward: the unsharded gradients
+        then hold a partial, unusable sum. After a forward exception they are kept (they hold the
+        microbatches accumulated with gradient sync off).
         """
         self.finish_reduce_scatter()
         self.reshard()
+        if drop_unsharded_grads:
+            for param in self.params:
+                param.take_unsharded_grad()
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
 

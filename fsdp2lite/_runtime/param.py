@@ -101,9 +101,7 @@ class FSDPParam:
     sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
 
-    def __init__(
-        self, param: nn.Parameter, fqn: str, places: tuple[ParamPlace, ...], mesh_info: MeshInfo
-    ) -> None:
+    def __init__(self, param: nn.Parameter, fqn: str, places: tuple[ParamPlace, ...], mesh_info: MeshInfo) -> None:
         self.fqn = fqn
         self.places = places
         self.orig_shape = param.shape
@@ -126,9 +124,7 @@ class FSDPParam:
     # ---- construction helpers -------------------------------------------------------------
     def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
         """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows."""
-        padded = torch.zeros(
-            (self.padded_rows, *self.orig_shape[1:]), dtype=local.dtype, device=local.device
-        )
+        padded = torch.zeros((self.padded_rows, *self.orig_shape[1:]), dtype=local.dtype, device=local.device)
         if local.device.type != "meta" and self.local_rows:
             padded[: self.local_rows].copy_(local)
         return padded

@@ -15,6 +15,13 @@ group's pre-backward hook has unsharded it (the hook fires on the output grad, b
 need the saved tensors). The forward hooks then do nothing: the group is already unsharded and must
 stay so for its backward. The recompute may also stop early, skipping post-forward hooks, so the
 end-of-backward callback clears the per-forward bookkeeping.
+
+[Note: group pass]
+A call on a list of modules makes one group, used in one pass: the first of its modules to start
+forward unshards it and routes that module's inputs through _PostBackward; the group's post-forward
+runs when every module of the list has finished forward (so modules called one after another share
+one all-gather). A module of the list that never runs would hold the pass open: the root's
+post-forward closes it and leaves the group unsharded for backward.
 """
 
 from __future__ import annotations
@@ -47,6 +54,13 @@ class RootContext:
     def groups(self) -> list[FSDPParamGroup]:
         return [state.group for state in self.states if state.group is not None]
 
+    def finish_forward_pass(self) -> None:
+        """Root post-forward: the order is known now; close group passes some module never finished."""
+        self.order_recorded = True
+        for state in self.states[1:]:
+            # Left unsharded, with no pre-backward hook: backward needs the parameters as they are.
+            state.pending_forward.clear()
+
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
             return
@@ -60,14 +74,19 @@ class RootContext:
         for group in reversed(self.groups()):
             group.finalize_backward()
         for state in self.states:
-            state.modules_in_forward.clear()  # a recompute stopped early never ran its post-forward
+            state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
 
     def reset(self) -> None:
+        """Recover from an exception mid-step (see ``FSDPParamGroup.reset``)."""
+        backward_states = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        in_backward = self.final_callback_queued or any(
+            group.training_state in backward_states for group in self.groups()
+        )
         for group in self.groups():
-            group.reset()
+            group.reset(drop_unsharded_grads=in_backward)
         for state in self.states:
-            state.modules_in_forward.clear()
+            state.pending_forward.clear()
         self.final_callback_queued = False
 
 
@@ -93,14 +112,14 @@ class FSDPState:
     group: FSDPParamGroup | None
     is_root: bool | None  # None until the first forward decides
     root_context: RootContext | None
-    modules_in_forward: set[int]  # ids of this call's modules whose forward is running
+    pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
 
     def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None) -> None:
         self.modules = modules
         self.group = group
         self.is_root = None
         self.root_context = None
-        self.modules_in_forward = set()
+        self.pending_forward = set()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -144,15 +163,12 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
             return None  # activation-checkpoint recompute: see [Note: recompute]
-        first = not self.modules_in_forward
-        self.modules_in_forward.add(id(module))
-        if not first:
-            return None  # the group was unsharded by the first of its modules to run
+        if self.pending_forward:
+            return None  # a later module of this call's group: unsharded already ([Note: group pass])
+        self.pending_forward.update(id(m) for m in self.modules)
         return self._pre_forward(args, kwargs)
 
-    def _pre_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root is None:
             self.lazy_init()
         group = self.group
@@ -169,15 +185,17 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
             return None  # activation-checkpoint recompute: see [Note: recompute]
-        self.modules_in_forward.discard(id(module))
-        if self.modules_in_forward:
+        if id(module) not in self.pending_forward:
+            return None
+        self.pending_forward.discard(id(module))
+        if self.pending_forward:
             return None
         return self._post_forward(output)
 
     def _post_forward(self, output: Any) -> Any:
         group = self.group
         if self.is_root and self.root_context is not None:
-            self.root_context.order_recorded = True
+            self.root_context.finish_forward_pass()
         if group is None:
             return output
         grad_enabled = torch.is_grad_enabled()

@@ -1,0 +1,123 @@
+"""Collectives per step, counted with torch's CommDebugMode: one all-gather and one reduce-scatter
+per group per use, never one per parameter, and never more than torch's own fully_shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _dist import spawn
+from _models import TINY_GPT, gpt_batch, gpt_loss
+from torch.distributed.tensor.debug import CommDebugMode
+
+import fsdp2lite as fl
+from fsdp2lite.models import GPT
+
+N_BLOCKS = 3
+
+
+def counts(mode: CommDebugMode) -> dict[str, int]:
+    """Collective counts by kind, from the c10d ops CommDebugMode saw."""
+    out = {"all_gather": 0, "reduce_scatter": 0, "other": 0}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op)
+        key = "all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name else "other"
+        out[key] += n
+    return out
+
+
+def step_counts(model: nn.Module, step: int, rank: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward counts, backward counts) for one training step."""
+    with CommDebugMode() as fwd:
+        loss = gpt_loss(model, gpt_batch(step, rank))
+    with CommDebugMode() as bwd:
+        loss.backward()
+    return counts(fwd), counts(bwd)
+
+
+def build(n_blocks: int = N_BLOCKS) -> GPT:
+    torch.manual_seed(0)
+    cfg = TINY_GPT.__class__(**{**TINY_GPT.__dict__, "n_layers": n_blocks})
+    return GPT(cfg)
+
+
+def shard_fl(model: GPT, **kwargs: object) -> GPT:
+    for block in model.blocks:
+        fl.fully_shard(block, **kwargs)  # type: ignore[arg-type]
+    fl.fully_shard(model, **kwargs)  # type: ignore[arg-type]
+    return model
+
+
+def check_default_schedule(rank: int) -> None:
+    n = N_BLOCKS
+    model = shard_fl(build())
+    for step in range(2):
+        fwd, bwd = step_counts(model, step, rank)
+        assert fwd == {"all_gather": n + 1, "reduce_scatter": 0, "other": 0}, (step, fwd)
+        # the root keeps its parameters (reshard_after_forward resolves to False for it)
+        assert bwd == {"all_gather": n, "reduce_scatter": n + 1, "other": 0}, (step, bwd)
+
+
+def check_no_reshard(rank: int) -> None:
+    model = shard_fl(build(), reshard_after_forward=False)
+    fwd, bwd = step_counts(model, 0, rank)
+    assert fwd["all_gather"] == N_BLOCKS + 1 and bwd["all_gather"] == 0, (fwd, bwd)
+    assert bwd["reduce_scatter"] == N_BLOCKS + 1, bwd
+
+
+def check_no_sync_and_frozen(rank: int) -> None:
+    model = shard_fl(build())
+    model.set_requires_gradient_sync(False)
+    _, bwd = step_counts(model, 0, rank)
+    assert bwd["reduce_scatter"] == 0, bwd
+    model.set_requires_gradient_sync(True)
+    _, bwd = step_counts(model, 1, rank)
+    assert bwd["reduce_scatter"] == N_BLOCKS + 1, bwd
+
+    frozen = build()
+    frozen.blocks[1].requires_grad_(False)  # a whole group frozen: nothing to reduce there
+    shard_fl(frozen)
+    _, bwd = step_counts(frozen, 0, rank)
+    assert bwd["reduce_scatter"] == N_BLOCKS, bwd
+
+
+def check_inference(rank: int) -> None:
+    model = shard_fl(build())
+    with torch.no_grad(), CommDebugMode() as mode:
+        gpt_loss(model, gpt_batch(0, rank))
+    assert counts(mode) == {"all_gather": N_BLOCKS + 1, "reduce_scatter": 0, "other": 0}
+    # nothing stays unsharded after an inference forward (no backward can need it)
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
+def check_not_more_than_torch(rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ours = shard_fl(build())
+    theirs = build()
+    for block in theirs.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(theirs)
+    for step in range(2):
+        our_fwd, our_bwd = step_counts(ours, step, rank)
+        their_fwd, their_bwd = step_counts(theirs, step, rank)
+        for kind in ("all_gather", "reduce_scatter", "other"):
+            assert our_fwd[kind] <= their_fwd[kind], (kind, our_fwd, their_fwd)
+            assert our_bwd[kind] <= their_bwd[kind], (kind, our_bwd, their_bwd)
+        assert sum(our_fwd.values()) + sum(our_bwd.values()) <= sum(their_fwd.values()) + sum(their_bwd.values())
+
+
+def run(rank: int, ws: int) -> None:
+    for check in (
+        check_default_schedule,
+        check_no_reshard,
+        check_no_sync_and_frozen,
+        check_inference,
+        check_not_more_than_torch,
+    ):
+        check(rank)
+        dist.barrier()
+
+
+def test_collective_counts() -> None:
+    spawn(run, 2)

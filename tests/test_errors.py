@@ -1,0 +1,132 @@
+"""Bad input gets a clear error naming the value and what is allowed, before anything is changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from _models import UnevenMLP
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+import fsdp2lite as fl
+
+pytestmark = pytest.mark.usefixtures("single_rank_pg")
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match=r"nn.Module.*got str"):
+        fl.fully_shard("model")  # type: ignore[type-var]
+    with pytest.raises(TypeError, match=r"got int"):
+        fl.fully_shard([nn.Linear(2, 2), 3])  # type: ignore[list-item]
+
+
+def test_empty_list() -> None:
+    with pytest.raises(ValueError, match="empty list"):
+        fl.fully_shard([])
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})])
+def test_container_without_forward(container: nn.Module) -> None:
+    name = type(container).__name__
+    with pytest.raises(ValueError, match=rf"cannot shard a {name}: it has no forward.*children"):
+        fl.fully_shard(container)
+    assert not isinstance(container, fl.FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in container.parameters())
+
+
+def test_already_sharded() -> None:
+    model = nn.Linear(4, 4)
+    fl.fully_shard(model)
+    with pytest.raises(ValueError, match="already applied to this Linear"):
+        fl.fully_shard(model)
+
+
+def test_top_down_is_rejected() -> None:
+    model = UnevenMLP()
+    fl.fully_shard(model)
+    with pytest.raises(ValueError, match=r"'up.weight' of Linear is already a DTensor.*bottom-up"):
+        fl.fully_shard(model.blocks[0])
+    assert not isinstance(model.blocks[0], fl.FSDPModule)
+
+
+def test_tied_across_groups() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    fl.fully_shard(model[0])
+    with pytest.raises(ValueError, match=r"'1.weight' of Linear is tied to '0.weight'.*one group"):
+        fl.fully_shard(model)
+
+
+def test_zero_dim_parameter() -> None:
+    model = nn.Linear(4, 4)
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"'temperature' of Linear is 0-dim.*ignored_params"):
+        fl.fully_shard(model)
+    assert not isinstance(model.weight, DTensor)  # nothing was changed
+
+
+def test_zero_dim_parameter_can_be_ignored() -> None:
+    model = nn.Linear(4, 4)
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    fl.fully_shard(model, ignored_params={model.temperature})
+    assert isinstance(model.weight, DTensor) and not isinstance(model.temperature, DTensor)
+
+
+@pytest.mark.parametrize("value", ["yes", 2, 1.0])
+def test_reshard_after_forward_type(value: object) -> None:
+    with pytest.raises(TypeError, match=rf"reshard_after_forward must be True, False or None.*{value!r}"):
+        fl.fully_shard(nn.Linear(2, 2), reshard_after_forward=value)  # type: ignore[arg-type]
+
+
+def test_mesh_of_wrong_type() -> None:
+    with pytest.raises(TypeError, match="DeviceMesh or None, got str"):
+        fl.fully_shard(nn.Linear(2, 2), "cpu")  # type: ignore[arg-type]
+
+
+def test_mesh_device_type_mismatch() -> None:
+    cuda_mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+    with pytest.raises(ValueError, match=r"'weight' is on cpu but the mesh is a 'cuda' mesh"):
+        fl.fully_shard(nn.Linear(2, 2), cuda_mesh)
+
+
+def test_policies_not_yet_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="mixed precision is not implemented yet"):
+        fl.fully_shard(nn.Linear(2, 2), mp_policy=fl.MixedPrecisionPolicy(param_dtype="bf16"))
+    with pytest.raises(NotImplementedError, match="CPU offload is not implemented yet"):
+        fl.fully_shard(nn.Linear(2, 2), offload_policy=fl.CPUOffloadPolicy())
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+        fl.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": "bf16"})  # type: ignore[arg-type]
+    model = fl.fully_shard(nn.Linear(2, 2), mp_policy=fl.MixedPrecisionPolicy(), offload_policy=fl.OffloadPolicy())
+    assert isinstance(model, fl.FSDPModule)
+
+
+def test_ignored_params_type() -> None:
+    with pytest.raises(TypeError, match="ignored_params must hold nn.Parameter objects, got a Tensor"):
+        fl.fully_shard(nn.Linear(2, 2), ignored_params={torch.ones(1)})  # type: ignore[arg-type]
+
+
+def test_setter_types() -> None:
+    model = fl.fully_shard(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="requires_gradient_sync must be True or False, got 'no'"):
+        model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
+        model.set_reshard_after_forward(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reshard_after_backward must be True or False"):
+        model.set_reshard_after_backward(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive number, got 0"):
+        model.set_gradient_divide_factor(0)
+
+
+def test_meta_parameters_at_first_forward() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    fl.fully_shard(model)
+    with pytest.raises(RuntimeError, match=r"'weight'.*still on the meta device.*to_empty"):
+        model(torch.randn(2, 4))
+
+
+def test_hsdp_mesh_not_yet_supported() -> None:
+    mesh = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"1D meshes; got a 2D mesh of shape \(1, 1\)"):
+        fl.fully_shard(nn.Linear(2, 2), mesh)

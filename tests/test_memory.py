@@ -1,0 +1,107 @@
+"""Peak memory during forward, measured with torch's MemTracker on CPU, against a closed-form budget.
+
+Budget: S + R + 2B + A, where (bytes, per rank)
+    S = the sharded model (padded local shards),
+    R = the root group's unsharded parameters (kept through forward),
+    B = the largest block's unsharded parameters (its all-gather output and its unsharded copy
+        are alive together only during copy-out),
+    A = the activation peak of the same forward on the plain, unsharded model (measured).
+torch's fully_shard keeps one more block-sized buffer here; the test shows fsdp2lite does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _dist import spawn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import fsdp2lite as fl
+
+D = 128
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, 4 * D)
+        self.fc2 = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.out = nn.Linear(D, 3)  # 3 rows: padded on 2 ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def nbytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def sharded_bytes(params: list[nn.Parameter], ws: int) -> int:
+    """Padded local shard bytes: ceil(dim0 / ws) rows on every rank."""
+    return sum(math.ceil(p.shape[0] / ws) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
+
+
+def forward_peak(model: nn.Module, x: torch.Tensor) -> int:
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(x)
+    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+
+
+def budget(model: Net, x: torch.Tensor, ws: int) -> int:
+    params = list(model.parameters())
+    root = [model.inp.weight, model.inp.bias, model.out.weight, model.out.bias]
+    s, r = sharded_bytes(params, ws), nbytes(root)
+    b = max(nbytes(list(block.parameters())) for block in model.blocks)
+    a = forward_peak(model, x) - nbytes(params)  # activations of the unsharded forward
+    return s + r + 2 * b + a
+
+
+def trained_peak(model: nn.Module, x: torch.Tensor) -> int:
+    model(x).sum().backward()  # first step: lazy init, every buffer allocated once
+    for p in model.parameters():
+        p.grad = None
+    return forward_peak(model, x)
+
+
+def run(rank: int, ws: int) -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    x = torch.randn(2, D)
+    torch.manual_seed(0)
+    ours = Net()
+    limit = budget(ours, x, ws)
+    for block in ours.blocks:
+        fl.fully_shard(block)
+    fl.fully_shard(ours)
+    our_peak = trained_peak(ours, x)
+    assert our_peak <= limit, f"fsdp2lite forward peak {our_peak} > budget S+R+2B+A = {limit}"
+
+    theirs = Net()
+    for block in theirs.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(theirs)
+    their_peak = trained_peak(theirs, x)
+    assert our_peak <= their_peak, f"fsdp2lite {our_peak} > torch fully_shard {their_peak}"
+    dist.barrier()
+
+
+def test_forward_peak_within_budget() -> None:
+    spawn(run, 2)
