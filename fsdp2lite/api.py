@@ -69,6 +69,7 @@ class FSDPModule:
         """Free (True) or keep (False) the unsharded parameters between forward and backward."""
         _check_bool("reshard_after_forward", reshard_after_forward)
         for group in self._groups(recurse):
+            group.reshard_after_forward_requested = reshard_after_forward
             group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:

@@ -58,6 +58,17 @@ def check_default_schedule(rank: int) -> None:
         assert bwd == {"all_gather": n, "reduce_scatter": n + 1, "other": 0}, (step, bwd)
 
 
+def check_block_run_alone_first(rank: int) -> None:
+    """A block run on its own first is its own root for a while; the model's root then takes over
+    and the block goes back to resharding after forward (its default as a non-root)."""
+    n = N_BLOCKS
+    model = shard_fl(build())
+    with torch.no_grad():
+        model.blocks[0](torch.randn(2, TINY_GPT.seq_len, TINY_GPT.d_model))
+    fwd, bwd = step_counts(model, 0, rank)
+    assert fwd["all_gather"] == n + 1 and bwd["all_gather"] == n, (fwd, bwd)
+
+
 def check_no_reshard(rank: int) -> None:
     model = shard_fl(build(), reshard_after_forward=False)
     fwd, bwd = step_counts(model, 0, rank)
@@ -110,6 +121,7 @@ def check_not_more_than_torch(rank: int) -> None:
 def run(rank: int, ws: int) -> None:
     for check in (
         check_default_schedule,
+        check_block_run_alone_first,
         check_no_reshard,
         check_no_sync_and_frozen,
         check_inference,

@@ -30,7 +30,8 @@ class FSDPParamGroup:
     params: tuple[FSDPParam, ...]
     modules: tuple[nn.Module, ...]
     mesh_info: MeshInfo
-    reshard_after_forward: bool | None  # None until lazy init resolves it
+    reshard_after_forward_requested: bool | None  # the user's value; None = decided by the root
+    reshard_after_forward: bool  # effective value, resolved at lazy init
     reshard_after_backward: bool
     requires_gradient_sync: bool
     gradient_divide_factor: float | None  # None: the shard group size (an average)
@@ -51,7 +52,8 @@ class FSDPParamGroup:
         self.params = params
         self.modules = modules
         self.mesh_info = mesh_info
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward_requested = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.gradient_divide_factor = None

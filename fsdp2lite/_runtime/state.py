@@ -146,8 +146,9 @@ class FSDPState:
                 state.init_group_for_root(state.group)
 
     def init_group_for_root(self, group: FSDPParamGroup) -> None:
-        if group.reshard_after_forward is None:
-            group.reshard_after_forward = not self.is_root  # the root is used first in backward
+        requested = group.reshard_after_forward_requested
+        # None: the root keeps its parameters (backward starts with it), every other group frees them
+        group.reshard_after_forward = (not self.is_root) if requested is None else requested
         group.reset_sharded_params()
         for param in group.params:
             if param.device.type == "meta":
