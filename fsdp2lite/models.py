@@ -66,6 +66,21 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 style: N(0, 0.02) linear and embedding weights, zero biases, unit LayerNorms.
+
+        torch's default N(0, 1) embedding, tied to the head, makes the first logits huge (a byte-level
+        loss near 80 instead of ln(256) = 5.5).
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""

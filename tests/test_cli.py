@@ -1,0 +1,126 @@
+"""The ``fsdp2lite`` command line: --version, the demo end to end, and bad input (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fsdp2lite
+from fsdp2lite.cli import main
+from fsdp2lite.demo import make_text, param_bytes, sample_batch
+from fsdp2lite.models import GPT, GPTConfig, shard_gpt
+
+# A table row: "│    0 │     10,624 │     21,248 │     0.500 │" (any box characters)
+_ROW = re.compile(r"^\W*(\d+)\W+([\d,]+)\W+([\d,]+)\W+(\d+\.\d+)\W*$")
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsdp2lite", *args], capture_output=True, text=True, timeout=120)
+
+
+def _bytes_rows(stdout: str) -> dict[int, tuple[int, int, float]]:
+    rows: dict[int, tuple[int, int, float]] = {}
+    for line in stdout.splitlines():
+        match = _ROW.match(line)
+        if match:
+            rank, sharded, unsharded, ratio = match.groups()
+            rows[int(rank)] = (
+                int(sharded.replace(",", "")),
+                int(unsharded.replace(",", "")),
+                float(ratio),
+            )
+    return rows
+
+
+def test_version_subprocess() -> None:
+    result = _run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"fsdp2lite {fsdp2lite.__version__}"
+
+
+def test_demo_trains_and_reports_half_the_bytes_per_rank() -> None:
+    result = _run_cli(
+        "demo",
+        "--steps",
+        "3",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    for step in (1, 2, 3):
+        assert re.search(rf"step\s+{step}/3\s+loss \d+\.\d+\s+[\d,]+ tok/s", result.stdout), result.stdout
+    rows = _bytes_rows(result.stdout)
+    assert sorted(rows) == [0, 1], result.stdout
+    unsharded = rows[0][1]
+    model = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=1))
+    assert unsharded == sum(p.numel() * p.element_size() for p in model.parameters())
+    for sharded, rank_unsharded, ratio in rows.values():
+        assert rank_unsharded == unsharded
+        assert 0.45 <= sharded / unsharded <= 0.55 and ratio == pytest.approx(sharded / unsharded, abs=1e-3)
+    assert rows[0][0] + rows[1][0] == unsharded  # the shards partition the model exactly
+    assert re.search(r"done: 3 steps, loss \d+\.\d+ -> \d+\.\d+, [\d,]+ tokens/s across 2 ranks", result.stdout)
+
+
+def test_bad_world_size_exits_2_naming_the_argument() -> None:
+    result = _run_cli("demo", "--world-size", "0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--world-size" in lines[0] and "0" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["demo", "--steps", "-1"], "--steps"),
+        (["demo", "--lr", "0"], "--lr"),
+        (["demo", "--lr", "fast"], "--lr"),
+        (["demo", "--batch", "2.5"], "--batch"),
+        (["demo", "--d-model", "30"], "--d-model"),  # not divisible by the 4 heads
+        (["demo", "--world-size", "1000"], "--world-size"),
+        (["demo", "--seq-len", "100000000"], "--seq-len"),
+        (["demo", "--no-such-flag"], "--no-such-flag"),
+        (["frobnicate"], "frobnicate"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_input_returns_2_with_one_line(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and ": error: " in err[0], err
+
+
+def test_version_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"fsdp2lite {fsdp2lite.__version__}"
+
+
+def test_param_bytes_unsharded_and_single_rank(single_rank_pg: None) -> None:
+    model = GPT(GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, n_layers=2))
+    expected = sum(p.numel() * 4 for p in model.parameters())  # float32; tied head counted once
+    assert param_bytes(model) == (expected, expected)
+    shard_gpt(model)
+    assert param_bytes(model) == (expected, expected)  # one rank holds everything
+
+
+def test_corpus_and_batches_are_deterministic() -> None:
+    text = make_text()
+    assert text == make_text() and text.isascii() and len(text) > 10_000
+    data = torch.arange(100)
+    first = sample_batch(data, 4, 8, torch.Generator().manual_seed(3))
+    again = sample_batch(data, 4, 8, torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    tokens, targets = first
+    assert tokens.shape == targets.shape == (4, 8)
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])  # targets are the next bytes
