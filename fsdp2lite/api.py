@@ -8,6 +8,7 @@ the module's class to a subclass of ``FSDPModule`` in place. Call it bottom-up: 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -17,10 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._runtime.group import FSDPParamGroup
-from ._runtime.param import FSDPParam, ParamPlace
+from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
 from .mesh import MeshInfo, default_mesh, mesh_info_for
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 M = TypeVar("M", nn.Module, list[nn.Module])
 
@@ -102,7 +103,7 @@ class FSDPModule:
         context.reset()
 
     def _groups(self, recurse: bool) -> Iterator[FSDPParamGroup]:
-        modules: Iterable[nn.Module] = self.modules() if recurse else (self,)  # type: ignore[attr-defined]
+        modules: Iterable[nn.Module] = self.modules() if recurse else (self,)  # type: ignore[attr-defined,assignment]
         seen: set[int] = set()
         for module in modules:
             state = getattr(module, "_fsdp_state", None)
@@ -120,7 +121,8 @@ class FSDPModule:
 
 
 @functools.cache
-def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Name>(FSDPModule, <Name>)``, one per original class."""
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
 
 
@@ -140,24 +142,29 @@ def fully_shard(
         mesh: a 1D ``DeviceMesh``; None builds one over the default process group.
         reshard_after_forward: free the unsharded parameters after forward (True), keep them until
             backward (False), or None: False for the root, True for every other group.
-        mp_policy: accepted; mixed precision is not implemented yet (a non-default policy raises).
-        offload_policy: accepted; CPU offload is not implemented yet (CPUOffloadPolicy raises).
+        mp_policy: dtypes of the all-gather/compute (param_dtype), the gradient reduction
+            (reduce_dtype), outputs and inputs; None: no casts. Sharded parameters and their
+            gradients keep the parameters' own dtype.
+        offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters and gradients on the host
+            (the optimizer steps there); None or ``OffloadPolicy()``: no offload.
         ignored_params: parameters left unsharded and unreduced.
     """
     modules = _check_modules(module)
     _check_reshard_after_forward(reshard_after_forward)
-    _check_policies(mp_policy, offload_policy)
+    mp_policy, policy = _resolve_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params)
     owned = _collect_params(modules, ignored)
-    mesh_info = _mesh_info(mesh, owned)
+    mesh_info = _mesh_info(mesh, owned, policy.offload_to_cpu)
+    _check_group_dtypes(owned, policy)
     params = tuple(
-        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info) for fqn, param, places in owned
+        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy)
+        for fqn, param, places in owned
     )
     group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
-    state = FSDPState(modules, group)
+    state = FSDPState(modules, group, mp_policy)
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
     return module
 
 
@@ -195,22 +202,42 @@ def _check_reshard_after_forward(value: Any) -> None:
         )
 
 
-def _check_policies(mp_policy: Any, offload_policy: Any) -> None:
-    if mp_policy is not None:
-        if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
-        if not mp_policy.is_noop:
-            raise NotImplementedError(
-                f"mixed precision is not implemented yet; got {mp_policy!r}. "
-                "Use MixedPrecisionPolicy() (no casts) or leave mp_policy=None"
-            )
-    if offload_policy is not None:
-        if not isinstance(offload_policy, OffloadPolicy):
-            raise TypeError(f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}")
-        if type(offload_policy) is not OffloadPolicy:
-            raise NotImplementedError(
-                f"CPU offload is not implemented yet; got {offload_policy!r}. Use OffloadPolicy() or None"
-            )
+def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, ParamPolicy]:
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
+    if offload_policy is None:
+        offload_policy = OffloadPolicy()
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+    if pin and not torch.cuda.is_available():
+        warnings.warn(
+            "CPUOffloadPolicy(pin_memory=True) without CUDA: host shards are not pinned (pinning only "
+            "speeds up host-to-device copies). Pass CPUOffloadPolicy(pin_memory=False) to silence this.",
+            stacklevel=3,
+        )
+        pin = False
+    policy = ParamPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, offload_to_cpu=offload, pin_memory=pin)
+    return mp_policy, policy
+
+
+def _check_group_dtypes(
+    owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], policy: ParamPolicy
+) -> None:
+    """One group is one flat all-gather buffer: its parameters must gather in one dtype."""
+    gathered = {
+        fqn: (policy.param_dtype if policy.param_dtype is not None and p.is_floating_point() else p.dtype)
+        for fqn, p, _ in owned
+    }
+    if len(set(gathered.values())) > 1:
+        listing = ", ".join(f"{fqn}: {dtype}" for fqn, dtype in gathered.items())
+        raise ValueError(
+            f"parameters of one fully_shard call must all-gather in one dtype, got {listing}; "
+            "pass mp_policy=MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls"
+        )
 
 
 def _check_ignored(ignored_params: Any) -> set[int]:
@@ -291,20 +318,24 @@ def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str
         )
 
 
-def _mesh_info(mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> MeshInfo:
+def _mesh_info(
+    mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], offload: bool
+) -> MeshInfo:
     devices = {param.device for _, param, _ in owned}
     real = {d for d in devices if d.type != "meta"}
     if len({d.type for d in real}) > 1:
         raise ValueError(f"parameters of one fully_shard call must share a device type, got {sorted(map(str, real))}")
     if mesh is None:
-        device_type = next(iter(real)).type if real else ("cuda" if torch.cuda.is_available() else "cpu")
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = next(iter(real)).type if real and not offload else accelerator
         mesh = default_mesh(device_type)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"fully_shard(mesh=...) takes a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}"
         )
+    allowed = {mesh.device_type, "meta"} | ({"cpu"} if offload else set())  # offload starts from host params
     for fqn, param, _ in owned:
-        if param.device.type not in (mesh.device_type, "meta"):
+        if param.device.type not in allowed:
             raise ValueError(
                 f"parameter '{fqn}' is on {param.device} but the mesh is a '{mesh.device_type}' mesh; "
                 f"move the module to {mesh.device_type} (or build it on the meta device) before "

@@ -90,15 +90,11 @@ def test_mesh_device_type_mismatch() -> None:
         fl.fully_shard(nn.Linear(2, 2), cuda_mesh)
 
 
-def test_policies_not_yet_implemented() -> None:
-    with pytest.raises(NotImplementedError, match="mixed precision is not implemented yet"):
-        fl.fully_shard(nn.Linear(2, 2), mp_policy=fl.MixedPrecisionPolicy(param_dtype="bf16"))
-    with pytest.raises(NotImplementedError, match="CPU offload is not implemented yet"):
-        fl.fully_shard(nn.Linear(2, 2), offload_policy=fl.CPUOffloadPolicy())
-    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+def test_policy_types() -> None:
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy or None, got dict"):
         fl.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": "bf16"})  # type: ignore[arg-type]
-    model = fl.fully_shard(nn.Linear(2, 2), mp_policy=fl.MixedPrecisionPolicy(), offload_policy=fl.OffloadPolicy())
-    assert isinstance(model, fl.FSDPModule)
+    with pytest.raises(TypeError, match="offload_policy must be an OffloadPolicy or None, got str"):
+        fl.fully_shard(nn.Linear(2, 2), offload_policy="cpu")  # type: ignore[arg-type]
 
 
 def test_ignored_params_type() -> None:

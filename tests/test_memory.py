@@ -11,6 +11,7 @@ torch's fully_shard keeps one more block-sized buffer here; the test shows fsdp2
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -58,6 +59,9 @@ def sharded_bytes(params: list[nn.Parameter], ws: int) -> int:
 
 
 def forward_peak(model: nn.Module, x: torch.Tensor) -> int:
+    # An earlier tracker's reference cycles can hold freed-looking tensors (e.g. the parameters the
+    # model had before sharding) until the collector runs; collect so they are not counted here.
+    gc.collect()
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:

@@ -17,8 +17,10 @@ Reduce-scatter (one per group per backward), the same layout in reverse, average
 Each flat buffer is owned by its result record (``AllGatherResult``/``ReduceScatterResult``), and the
 record is dropped only after its work has been waited on and its output consumed; dropping the record
 is what frees the buffers. Nothing relies on the allocator seeing a later use (no ``record_stream``).
-Peak during a group's unshard: the all-gather input is freed before copy-out allocates the unsharded
-parameters, so at most (all-gather output + unsharded parameters) = 2x the group's bytes are alive.
+The all-gather runs in place: its input is this rank's slot of its output, so an unshard allocates the
+group's bytes once for the collective and once for the unsharded parameters (copy-out), 2x the group's
+bytes at most. A separate input buffer would add 1/shard_size of that, and its release would depend on
+when the backend's worker thread lets go of the finished work.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class AllGatherResult(NamedTuple):
-    """An all-gather in flight; ``all_gather_input`` is held until the work is waited on."""
+    """An all-gather in flight, holding its buffer until the work is waited on."""
 
     all_gather_output: torch.Tensor  # (shard_size * group_numel,)
-    all_gather_input: torch.Tensor  # (group_numel,)
+    all_gather_input: torch.Tensor  # (group_numel,): this rank's slot of all_gather_output
     work: dist.Work | None
 
 
@@ -60,21 +62,25 @@ def _offsets(params: tuple[FSDPParam, ...]) -> list[int]:
 
 
 def issue_all_gather(
-    params: tuple[FSDPParam, ...], group: dist.ProcessGroup, shard_size: int, dtype: torch.dtype
+    params: tuple[FSDPParam, ...], group: dist.ProcessGroup, shard_size: int, shard_rank: int, dtype: torch.dtype
 ) -> AllGatherResult:
-    """Copy every padded shard into one flat buffer (casting to ``dtype``) and start one all-gather."""
+    """Copy every padded shard into this rank's slot of one flat buffer and start one in-place all-gather.
+
+    The input is a view of the output (``output[rank * group_numel : (rank + 1) * group_numel]``), so the
+    all-gather allocates the group's bytes once: [Note: buffer lifetime].
+    """
     offsets = _offsets(params)
-    device = params[0].device
-    all_gather_input = torch.empty(offsets[-1], dtype=dtype, device=device)
+    all_gather_output = torch.empty(shard_size * offsets[-1], dtype=dtype, device=params[0].device)
+    all_gather_input = all_gather_output.narrow(0, shard_rank * offsets[-1], offsets[-1])  # (group_numel,)
     for param, start, end in zip(params, offsets, offsets[1:]):
-        all_gather_input[start:end].copy_(param.padded_shard.view(-1))  # copy-in, cast in one pass
-    all_gather_output = torch.empty(shard_size * offsets[-1], dtype=dtype, device=device)
+        # copy-in and cast in one pass (host-to-device too when offloaded: pinned, so non-blocking)
+        all_gather_input[start:end].copy_(param.padded_shard.view(-1), non_blocking=True)
     work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=True)
     return AllGatherResult(all_gather_output, all_gather_input, work)
 
 
 def wait_all_gather(result: AllGatherResult) -> torch.Tensor:
-    """Wait for the all-gather and hand back its output (the caller drops the input)."""
+    """Wait for the all-gather and hand back its output."""
     if result.work is not None:
         result.work.wait()  # the output is complete only after this
     return result.all_gather_output

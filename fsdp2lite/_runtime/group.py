@@ -76,8 +76,10 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDED or self.all_gather_result is not None:
             return
         info = self.mesh_info
-        dtype = self.params[0].orig_dtype
-        self.all_gather_result = issue_all_gather(self.params, info.shard_group, info.shard_size, dtype)
+        dtype = self.params[0].param_dtype  # one dtype per group, checked by fully_shard
+        self.all_gather_result = issue_all_gather(
+            self.params, info.shard_group, info.shard_size, info.shard_rank, dtype
+        )
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""
@@ -85,9 +87,7 @@ class FSDPParamGroup:
         if result is None:
             return
         self.all_gather_result = None
-        all_gather_output = wait_all_gather(result)
-        del result  # frees the all-gather input before copy-out allocates: [Note: buffer lifetime]
-        copy_out_all_gather(all_gather_output, self.params, self.mesh_info.shard_size)
+        copy_out_all_gather(wait_all_gather(result), self.params, self.mesh_info.shard_size)
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -126,17 +126,23 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         if not self.requires_gradient_sync:
-            return  # grads stay on the unsharded parameters and accumulate there
+            for param in self.params:
+                param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
+            return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
-        pairs = [(p, p.take_unsharded_grad()) for p in self.params if p.requires_grad]
-        pairs = [(p, g) for p, g in pairs if g is not None]
-        if not pairs:
+        params: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for param in self.params:
+            grad = param.take_unsharded_grad() if param.requires_grad else None
+            if grad is not None:
+                params.append(param)
+                grads.append(grad)
+        if not params:
             return
         info = self.mesh_info
-        params = tuple(p for p, _ in pairs)
-        grads = tuple(g for _, g in pairs)
+        dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
         self.reduce_scatter_result = issue_reduce_scatter(
-            params, grads, info.shard_group, info.shard_size, grads[0].dtype
+            tuple(params), tuple(grads), info.shard_group, info.shard_size, dtype
         )
 
     def finish_reduce_scatter(self) -> None:
@@ -168,7 +174,7 @@ class FSDPParamGroup:
         self.reshard()
         if drop_unsharded_grads:
             for param in self.params:
-                param.take_unsharded_grad()
+                param.take_unsharded_grad()  # discarded: a partial sum from the failed backward
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
 

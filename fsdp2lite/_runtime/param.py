@@ -20,6 +20,7 @@ import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,17 @@ from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshInfo
 from .states import ShardedState
+
+
+@dataclass(frozen=True)
+class ParamPolicy:
+    """The resolved policies one parameter runs under (from MixedPrecisionPolicy/OffloadPolicy)."""
+
+    param_dtype: torch.dtype | None  # unsharded/all-gather dtype; None keeps the parameter's own
+    reduce_dtype: torch.dtype | None  # reduce-scatter dtype; None uses the param dtype
+    offload_to_cpu: bool  # sharded parameters and gradients live on CPU
+    pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
+
 
 # [Note: unsharded storage]
 # Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
@@ -96,38 +108,65 @@ class FSDPParam:
     padded_rows: int
     local_rows: int
     padded_shard: torch.Tensor  # (padded_rows, *rest): all-gather input, padding rows are zero
-    sharded_param: nn.Parameter  # DTensor with local tensor padded_shard[:local_rows]
+    sharded_param: DTensor  # an nn.Parameter holding a DTensor; local tensor padded_shard[:local_rows]
     unsharded_param: nn.Parameter | None  # created on first unshard, kept across steps
     sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
+    param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
+    reduce_dtype: torch.dtype  # dtype of the reduce-scatter (and of accumulation with sync off)
+    offload_to_cpu: bool
+    pin_memory: bool
+    accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
 
-    def __init__(self, param: nn.Parameter, fqn: str, places: tuple[ParamPlace, ...], mesh_info: MeshInfo) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        places: tuple[ParamPlace, ...],
+        mesh_info: MeshInfo,
+        policy: ParamPolicy,
+    ) -> None:
         self.fqn = fqn
         self.places = places
         self.orig_shape = param.shape
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.mesh_info = mesh_info
+        floating = param.dtype.is_floating_point
+        self.param_dtype = policy.param_dtype if policy.param_dtype is not None and floating else param.dtype
+        self.reduce_dtype = policy.reduce_dtype if policy.reduce_dtype is not None and floating else self.param_dtype
+        self.offload_to_cpu = policy.offload_to_cpu
+        self.pin_memory = policy.pin_memory
+        self.accumulated_grad = None
         self.orig_param_ref = weakref.ref(param)
         dim0, ws, rank = param.shape[0], mesh_info.shard_size, mesh_info.shard_rank
         self.padded_rows = math.ceil(dim0 / ws)
         self.local_rows = max(0, min(self.padded_rows, dim0 - rank * self.padded_rows))
         start = rank * self.padded_rows
         self.padded_shard = self._new_padded_shard(param.detach()[start : start + self.local_rows])
-        self.sharded_param = nn.Parameter(
-            self._to_dtensor(self.padded_shard[: self.local_rows]), requires_grad=self.requires_grad
-        )
+        sharded = nn.Parameter(self._to_dtensor(self.padded_shard[: self.local_rows]), requires_grad=self.requires_grad)
+        self.sharded_param = cast(DTensor, sharded)
         self.unsharded_param = None
         self.sharded_state = ShardedState.SHARDED
         self._set_on_modules(self.sharded_param)
 
     # ---- construction helpers -------------------------------------------------------------
     def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
-        """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows."""
-        padded = torch.zeros((self.padded_rows, *self.orig_shape[1:]), dtype=local.dtype, device=local.device)
-        if local.device.type != "meta" and self.local_rows:
-            padded[: self.local_rows].copy_(local)
+        """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows.
+
+        With CPU offload the buffer lives on the host (pinned when asked), whatever ``local``'s device.
+        """
+        device = local.device
+        if self.offload_to_cpu and device.type != "meta":
+            device = torch.device("cpu")
+        shape = (self.padded_rows, *self.orig_shape[1:])
+        padded = torch.zeros(shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
+        if device.type != "meta" and self.local_rows:
+            padded[: self.local_rows].copy_(local.detach())
         return padded
+
+    def _pin(self, device: torch.device) -> bool:
+        return self.offload_to_cpu and self.pin_memory and device.type == "cpu"
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -139,9 +178,9 @@ class FSDPParam:
             stride=torch.empty(self.orig_shape, device="meta").stride(),
         )
 
-    def _set_on_modules(self, tensor: nn.Parameter) -> None:
+    def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:
-            place.module._parameters[place.name] = tensor
+            place.module._parameters[place.name] = cast(nn.Parameter, tensor)
 
     @property
     def padded_numel(self) -> int:
@@ -150,7 +189,8 @@ class FSDPParam:
 
     @property
     def device(self) -> torch.device:
-        return self.padded_shard.device
+        """Where this parameter is computed on: the mesh's device when offloaded, else its shard's."""
+        return self.mesh_info.device if self.offload_to_cpu else self.padded_shard.device
 
     def reset_sharded_param(self) -> None:
         """Re-adopt the sharded parameter after ``to_empty``/``to``/``load_state_dict(assign=True)``.
@@ -163,7 +203,7 @@ class FSDPParam:
         if isinstance(registered, DTensor) and registered is not self.sharded_param:
             self.sharded_param = registered  # type: ignore[assignment]
             self._set_on_modules(self.sharded_param)
-        local = self.sharded_param._local_tensor
+        local = self.sharded_param.to_local().detach()  # the data, never a node of the user's graph
         if (
             local.device == self.padded_shard.device
             and local.dtype == self.padded_shard.dtype
@@ -171,7 +211,8 @@ class FSDPParam:
         ):
             return
         self.padded_shard = self._new_padded_shard(local)
-        self.sharded_param._local_tensor = self.padded_shard[: self.local_rows]
+        # DTensor has no public setter for its local tensor; point it at the new padded view.
+        self.sharded_param._local_tensor = self.padded_shard[: self.local_rows]  # type: ignore[attr-defined]
         if self.unsharded_param is not None and self.unsharded_param.device != self.device:
             self.unsharded_param = None
 
@@ -180,7 +221,7 @@ class FSDPParam:
         """Allocate the unsharded storage; returns the tensor to copy the all-gathered data into."""
         if self.unsharded_param is None:
             self.unsharded_param = nn.Parameter(
-                torch.empty(self.orig_shape, dtype=self.orig_dtype, device=self.device),
+                torch.empty(self.orig_shape, dtype=self.param_dtype, device=self.device),
                 requires_grad=self.requires_grad,
             )
         else:
@@ -205,20 +246,52 @@ class FSDPParam:
         self.sharded_state = ShardedState.SHARDED
 
     # ---- gradients ------------------------------------------------------------------------
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The unsharded gradient accumulated by autograd, detached from the parameter."""
+    def _pop_autograd_grad(self) -> torch.Tensor | None:
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
         return grad
 
-    def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
-        """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``."""
-        local_grad = padded_grad.view(self.padded_shard.shape)[: self.local_rows]
-        local_grad = local_grad.to(self.orig_dtype)
-        current = self.sharded_param.grad
-        if current is None:
-            self.sharded_param.grad = self._to_dtensor(local_grad)
+    def stash_unsharded_grad(self) -> None:
+        """Gradient sync is off: keep this backward's gradient for the next synchronising one.
+
+        In the param dtype autograd keeps accumulating into ``.grad``; when the reduce dtype differs
+        (bf16 params, fp32 reduce) the sum is kept in the reduce dtype instead, so accumulation does
+        not lose precision.
+        """
+        if self.reduce_dtype == self.param_dtype:
+            return
+        grad = self._pop_autograd_grad()
+        if grad is None:
+            return
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(self.reduce_dtype)
         else:
-            current._local_tensor.add_(local_grad)  # type: ignore[attr-defined]
+            self.accumulated_grad.add_(grad)
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The whole unsharded gradient to reduce (stashed sum + this backward's), detached."""
+        grad = self._pop_autograd_grad()
+        accumulated, self.accumulated_grad = self.accumulated_grad, None
+        if accumulated is None:
+            return grad
+        if grad is not None:
+            accumulated.add_(grad)
+        return accumulated
+
+    def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
+        """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``.
+
+        The gradient is stored in the parameter's own dtype, next to its shard (on the host when
+        offloaded: a non-blocking copy into pinned memory, waited for at the end of backward).
+        """
+        local_grad = padded_grad.view(self.padded_shard.shape)[: self.local_rows].to(self.orig_dtype)
+        current = cast(DTensor | None, self.sharded_param.grad)
+        if current is not None:
+            current.to_local().add_(local_grad.to(current.device))
+            return
+        if self.offload_to_cpu and local_grad.device.type != "cpu":
+            host = torch.empty(local_grad.shape, dtype=local_grad.dtype, pin_memory=self.pin_memory)
+            local_grad = host.copy_(local_grad, non_blocking=self.pin_memory)
+        self.sharded_param.grad = self._to_dtensor(local_grad)

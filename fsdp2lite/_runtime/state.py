@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from ..policies import MixedPrecisionPolicy
 from .group import FSDPParamGroup
 from .states import TrainingState
 
@@ -45,11 +46,16 @@ class RootContext:
     order_recorded: bool
     final_callback_queued: bool
 
+    offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
+
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False
+        self.offloads_from_cuda = any(
+            p.offload_to_cpu and p.device.type == "cuda" for group in self.groups() for p in group.params
+        )
 
     def groups(self) -> list[FSDPParamGroup]:
         return [state.group for state in self.states if state.group is not None]
@@ -73,6 +79,8 @@ class RootContext:
         # reduce-scatter issued here is issued in the same order on all ranks.
         for group in reversed(self.groups()):
             group.finalize_backward()
+        if self.offloads_from_cuda:
+            torch.cuda.current_stream().synchronize()  # host gradients complete before optimizer.step()
         for state in self.states:
             state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
@@ -110,13 +118,17 @@ class FSDPState:
 
     modules: tuple[nn.Module, ...]
     group: FSDPParamGroup | None
+    mp_policy: MixedPrecisionPolicy  # for casting forward inputs and outputs
     is_root: bool | None  # None until the first forward decides
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None) -> None:
+    def __init__(
+        self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
+    ) -> None:
         self.modules = modules
         self.group = group
+        self.mp_policy = mp_policy
         self.is_root = None
         self.root_context = None
         self.pending_forward = set()
@@ -172,6 +184,9 @@ class FSDPState:
     def _pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root is None:
             self.lazy_init()
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         group = self.group
         if group is None:
             return args, kwargs
@@ -197,6 +212,8 @@ class FSDPState:
         group = self.group
         if self.is_root and self.root_context is not None:
             self.root_context.finish_forward_pass()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         if group is None:
             return output
         grad_enabled = torch.is_grad_enabled()
@@ -228,3 +245,8 @@ def _attach_post_backward(
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)
     return new_args, new_kwargs
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a pytree to ``dtype`` (others untouched)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
