@@ -9,16 +9,23 @@ fl.fully_shard(model)
 from __future__ import annotations
 
 from .api import FSDPModule, UnshardHandle, fully_shard
+from .config import ConfigError, FSDPConfig, apply_config, plan_config
+from .mesh import init_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "ConfigError",
+    "FSDPConfig",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "__version__",
+    "apply_config",
     "fully_shard",
+    "init_mesh",
+    "plan_config",
 ]

@@ -24,6 +24,34 @@ def default_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
 
 
+def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[int, int]:
+    """(replicate, shard) with ``shard=-1`` resolved to the remaining ranks; raises with the numbers."""
+    if replicate < 1 or (shard < 1 and shard != -1):
+        raise ValueError(f"mesh degrees must be >= 1 (shard may be -1), got replicate({replicate}), shard({shard})")
+    if shard == -1:
+        if world_size % replicate:
+            raise ValueError(
+                f"mesh replicate({replicate}) does not divide world_size({world_size}), "
+                "so shard=-1 cannot take the remaining ranks"
+            )
+        shard = world_size // replicate
+    if replicate * shard != world_size:
+        raise ValueError(f"mesh replicate({replicate}) * shard({shard}) != world_size({world_size})")
+    return replicate, shard
+
+
+def init_mesh(*, replicate: int = 1, shard: int = -1, device_type: str | None = None) -> DeviceMesh:
+    """A mesh over the default process group: 1D ``("shard",)`` when ``replicate == 1``, else 2D
+    ``("replicate", "shard")`` for HSDP. ``shard=-1`` takes the remaining ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("init_mesh needs an initialized default process group: call init_process_group first")
+    replicate, shard = resolve_mesh_degrees(replicate, shard, dist.get_world_size())
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """What the runtime needs from a mesh: the shard group, its size and this rank's place in it."""

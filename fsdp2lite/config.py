@@ -1,0 +1,358 @@
+"""Whole sharding setups as data: ``FSDPConfig`` (the YAML schema), loading, rule matching, ``apply_config``.
+
+    mesh: {replicate: 1, shard: -1}
+    reshard_after_forward: auto          # true | false | int | auto (root false, others true)
+    mixed_precision: {param_dtype: bf16, reduce_dtype: fp32}
+    offload: {device: none}              # none | cpu
+    wrap:                                # ordered; the first rule a module matches wins
+      - match: {class: Block}            # each matched module becomes its own group
+      - match: {path: [norm, head]}
+        group: true                      # all matches of this rule form one group
+        mixed_precision: {param_dtype: fp32}
+    ignore:
+      - {path: "*.rotary.*"}             # parameters left unsharded and unreduced
+
+YAML is read in exactly one function (``FSDPConfig.from_yaml``); everything after works on validated
+objects. Errors are collected, not raised one by one: ``ConfigError.problems`` lists every problem
+with its location, message and, for unknown keys, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch.nn as nn
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .mesh import resolve_mesh_degrees
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+_STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+ReshardAfterForward = bool | int | Literal["auto"]
+
+
+class MeshConfig(BaseModel):
+    """Device mesh degrees. ``replicate > 1`` means HSDP: shard within groups, replicate across them."""
+
+    model_config = _STRICT
+
+    replicate: int = Field(1, ge=1, description="replicas (outer mesh axis); 1 = plain FSDP")
+    shard: int = Field(-1, description="ranks each parameter is sharded over; -1 = world_size / replicate")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard_positive_or_auto(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"shard must be a positive rank count or -1 (the remaining ranks), got {value}")
+        return value
+
+    def resolve(self, world_size: int) -> tuple[int, int]:
+        """(replicate, shard) for ``world_size`` ranks; raises with the numbers when they do not fit."""
+        return resolve_mesh_degrees(self.replicate, self.shard, world_size)
+
+
+class OffloadConfig(BaseModel):
+    """Where sharded parameters and gradients live between uses."""
+
+    model_config = _STRICT
+
+    device: Literal["none", "cpu"] = Field("none", description="none: on the device; cpu: on the host")
+    pin_memory: bool = Field(True, description="pin host memory (with device: cpu) for async copies; needs CUDA")
+
+    def to_policy(self) -> OffloadPolicy:
+        return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.device == "cpu" else OffloadPolicy()
+
+
+class Match(BaseModel):
+    """Which modules (or, under ``ignore``, which parameters) a rule selects; given keys must all match."""
+
+    model_config = _STRICT
+
+    class_: str | list[str] | None = Field(
+        None, alias="class", description="module class name(s), e.g. Block or [Block, MLP]"
+    )
+    path: str | list[str] | None = Field(
+        None, description="glob(s) over module paths (parameter names under ignore), e.g. 'layers.*'"
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Match:
+        if self.class_ is None and self.path is None:
+            raise ValueError("a match needs 'class' and/or 'path'")
+        return self
+
+    def matches(self, path: str, class_name: str) -> bool:
+        if self.class_ is not None and class_name not in _as_list(self.class_):
+            return False
+        return self.path is None or any(fnmatch.fnmatchcase(path, glob) for glob in _as_list(self.path))
+
+
+class WrapRule(BaseModel):
+    """One wrap rule: the modules it matches become groups, with optional policy overrides."""
+
+    model_config = _STRICT
+
+    match: Match = Field(description="which modules this rule takes")
+    group: bool = Field(False, description="true: all matches form ONE group; false: one group per match")
+    reshard_after_forward: ReshardAfterForward | None = Field(None, description="overrides the top-level value")
+    mixed_precision: MixedPrecisionPolicy | None = Field(
+        None, description="overrides the top-level fields it sets; the others are inherited"
+    )
+    offload: OffloadConfig | None = Field(None, description="overrides the top-level offload")
+
+
+class FSDPConfig(BaseModel):
+    """A whole sharding setup: mesh, top-level policies, wrap rules and ignored parameters."""
+
+    model_config = _STRICT
+
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="mesh degrees (see MeshConfig)")
+    reshard_after_forward: ReshardAfterForward = Field(
+        "auto",
+        description="true | false | int (reshard to groups of that many ranks) | auto (root false, others true)",
+    )
+    mixed_precision: MixedPrecisionPolicy = Field(
+        default_factory=MixedPrecisionPolicy, description="top-level mixed precision"
+    )
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="top-level offload")
+    wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
+    ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _positive_int(cls, value: ReshardAfterForward) -> ReshardAfterForward:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"an int reshard_after_forward is a rank count >= 1, got {value}")
+        return value
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FSDPConfig:
+        """Load and validate a YAML file; raises ``ConfigError`` listing every problem found."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(path, [Problem("", f"cannot read the file: {exc.strerror or exc}", "")]) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(path, [Problem(where, f"not valid YAML: {problem}", "")]) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            found = type(data).__name__
+            raise ConfigError(path, [Problem("", f"the top level must be a mapping of keys, got a {found}", "")])
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(path, problems_from(exc)) from None
+
+    def to_yaml(self) -> str:
+        """The config as YAML (dtypes by their short names); ``from_yaml`` reads it back equal."""
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+class Problem(NamedTuple):
+    """One problem in a config: where, what, and what would be valid."""
+
+    location: str  # dotted path, e.g. "wrap.1.match.clas"
+    message: str
+    suggestion: str
+
+
+class ConfigError(ValueError):
+    """Every problem found in one config (or in applying it), reported together."""
+
+    def __init__(self, source: str | Path, problems: list[Problem]) -> None:
+        self.source = str(source)
+        self.problems = problems
+        lines = [f"{self.source}: {len(problems)} problem(s)"]
+        for p in problems:
+            hint = f" ({p.suggestion})" if p.suggestion else ""
+            lines.append(f"  {p.location or '<top>'}: {p.message}{hint}")
+        super().__init__("\n".join(lines))
+
+
+def problems_from(exc: ValidationError) -> list[Problem]:
+    """pydantic's errors as Problems; unknown keys get the closest valid key as a suggestion."""
+    problems = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        location = ".".join(str(part) for part in loc)
+        if error["type"] == "extra_forbidden":
+            valid = _valid_keys(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            suggestion = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
+            problems.append(Problem(location, f"unknown key '{loc[-1]}'", suggestion))
+        else:
+            problems.append(Problem(location, error["msg"], ""))
+    return problems
+
+
+def _valid_keys(loc: Sequence[str | int]) -> list[str]:
+    """Keys allowed at ``loc`` in the FSDPConfig schema (aliases as written in YAML)."""
+    model: Any = FSDPConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part) or next((f for f in model.model_fields.values() if f.alias == part), None)
+        if info is None:
+            return []
+        model = _model_in(info.annotation)
+        if model is None:
+            return []
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation like ``list[Match]`` or ``Match | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else value
+
+
+# ---- planning: which modules become which groups, under which policies ---------------------------
+@dataclass(frozen=True)
+class GroupPolicy:
+    """The effective policies of one group (top-level values with the rule's overrides)."""
+
+    reshard_after_forward: ReshardAfterForward
+    mixed_precision: MixedPrecisionPolicy
+    offload: OffloadConfig
+
+    def fully_shard_kwargs(self) -> dict[str, Any]:
+        value = self.reshard_after_forward
+        return {
+            "reshard_after_forward": None if value == "auto" else value,
+            "mp_policy": self.mixed_precision,
+            "offload_policy": self.offload.to_policy(),
+        }
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One planned ``fully_shard`` call."""
+
+    paths: tuple[str, ...]  # module paths ("" is the root)
+    modules: tuple[nn.Module, ...]
+    rule_index: int | None  # index into config.wrap; None for the root
+    policy: GroupPolicy
+    depth: int  # deepest module's depth: groups are applied deepest first
+
+
+@dataclass
+class Plan:
+    """The result of matching a config's rules against a model, before anything is sharded."""
+
+    groups: list[GroupPlan] = field(default_factory=list)  # bottom-up order, root last
+    ignored: dict[str, nn.Parameter] = field(default_factory=dict)  # parameter path -> parameter
+    problems: list[Problem] = field(default_factory=list)
+
+
+def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
+    """Match the wrap rules (first match wins) and ignore rules; collect every problem."""
+    plan = Plan()
+    top = GroupPolicy(config.reshard_after_forward, config.mixed_precision, config.offload)
+    matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
+    for path, module in model.named_modules():
+        if path == "":
+            continue  # the root gets the top-level policy
+        for index, rule in enumerate(config.wrap):
+            if rule.match.matches(path, type(module).__name__):
+                matched[index].append((path, module))
+                break
+    class_names = sorted({type(m).__name__ for m in model.modules()})
+    for index, (rule, hits) in enumerate(zip(config.wrap, matched)):
+        if not hits:
+            plan.problems.append(
+                Problem(f"wrap.{index}.match", "matches no module", f"the model's classes: {', '.join(class_names)}")
+            )
+            continue
+        policy = _rule_policy(top, rule)
+        batches = [hits] if rule.group else [[hit] for hit in hits]
+        for batch in batches:
+            paths = tuple(p for p, _ in batch)
+            depth = max(p.count(".") + 1 for p in paths)
+            plan.groups.append(GroupPlan(paths, tuple(m for _, m in batch), index, policy, depth))
+    plan.groups.sort(key=lambda g: -g.depth)  # stable: rule order within a depth
+    plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
+    _plan_ignored(model, config, plan, class_names)
+    return plan
+
+
+def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
+    mixed = top.mixed_precision
+    if rule.mixed_precision is not None:
+        overrides = {k: getattr(rule.mixed_precision, k) for k in rule.mixed_precision.model_fields_set}
+        mixed = mixed.model_copy(update=overrides)
+    return GroupPolicy(
+        top.reshard_after_forward if rule.reshard_after_forward is None else rule.reshard_after_forward,
+        mixed,
+        top.offload if rule.offload is None else rule.offload,
+    )
+
+
+def _plan_ignored(model: nn.Module, config: FSDPConfig, plan: Plan, class_names: list[str]) -> None:
+    owners = {f"{mp}.{n}" if mp else n: type(m).__name__ for mp, m in model.named_modules() for n in m._parameters}
+    params = dict(model.named_parameters())
+    for index, rule in enumerate(config.ignore):
+        hits = [name for name in params if rule.matches(name, owners.get(name, ""))]
+        if not hits:
+            plan.problems.append(
+                Problem(
+                    f"ignore.{index}", "matches no parameter", f"parameter names look like: {next(iter(params), '')}"
+                )
+            )
+        for name in hits:
+            plan.ignored[name] = params[name]
+
+
+def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.Module:
+    """Shard ``model`` as ``config`` says: matched groups bottom-up, then the root; returns ``model``.
+
+    ``mesh`` defaults to one built from ``config.mesh`` over the default process group. Raises
+    ``ConfigError`` listing every rule that matches nothing before anything is sharded.
+    """
+    from .api import fully_shard
+    from .mesh import init_mesh
+
+    plan = plan_config(model, config)
+    if plan.problems:
+        raise ConfigError("config applied to " + type(model).__name__, plan.problems)
+    if mesh is None:
+        mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
+    ignored = set(plan.ignored.values())
+    for group in plan.groups:
+        kwargs = group.policy.fully_shard_kwargs()
+        if len(group.modules) == 1:
+            fully_shard(group.modules[0], mesh, ignored_params=ignored, **kwargs)
+        else:
+            fully_shard(list(group.modules), mesh, ignored_params=ignored, **kwargs)
+    return model
+
+
+def _device_type(model: nn.Module) -> str:
+    import torch
+
+    devices = {p.device.type for p in model.parameters()} - {"meta"}
+    if devices:
+        return devices.pop()
+    return "cuda" if torch.cuda.is_available() else "cpu"
