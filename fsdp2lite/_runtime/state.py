@@ -176,17 +176,17 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
             return None  # activation-checkpoint recompute: see [Note: recompute]
+        policy = self.mp_policy  # every module of the group casts its own inputs
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if self.pending_forward:
-            return None  # a later module of this call's group: unsharded already ([Note: group pass])
+            return args, kwargs  # a later module of this call's group: unsharded already ([Note: group pass])
         self.pending_forward.update(id(m) for m in self.modules)
         return self._pre_forward(args, kwargs)
 
     def _pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.is_root is None:
             self.lazy_init()
-        policy = self.mp_policy
-        if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         group = self.group
         if group is None:
             return args, kwargs
@@ -201,19 +201,19 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
             return None  # activation-checkpoint recompute: see [Note: recompute]
+        if self.mp_policy.output_dtype is not None:  # every module of the group casts its own output
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         if id(module) not in self.pending_forward:
-            return None
+            return output
         self.pending_forward.discard(id(module))
         if self.pending_forward:
-            return None
+            return output
         return self._post_forward(output)
 
     def _post_forward(self, output: Any) -> Any:
         group = self.group
         if self.is_root and self.root_context is not None:
             self.root_context.finish_forward_pass()
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
         if group is None:
             return output
         grad_enabled = torch.is_grad_enabled()

@@ -1,0 +1,198 @@
+"""FSDPConfig: loading, strictness, error reports, rule planning, and apply_config on real ranks."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import spawn
+from _models import TINY_GPT, gpt_batch, gpt_loss, tiny_gpt
+from _parity import train_and_compare
+from pydantic import ValidationError
+from torch.distributed.tensor import DTensor
+
+import fsdp2lite as fl
+from fsdp2lite.config import Match, WrapRule
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def problems(tmp_path: Path, text: str) -> list[fl.config.Problem]:
+    with pytest.raises(fl.ConfigError) as info:
+        fl.FSDPConfig.from_yaml(write(tmp_path, text))
+    return info.value.problems
+
+
+# ---- loading -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_round_trips(path: Path, tmp_path: Path) -> None:
+    config = fl.FSDPConfig.from_yaml(path)
+    again = fl.FSDPConfig.from_yaml(write(tmp_path, config.to_yaml()))
+    assert again == config
+
+
+def test_shipped_configs_cover_the_documented_setups() -> None:
+    assert {p.stem for p in CONFIGS} >= {"fp32", "bf16", "hsdp", "cpu_offload", "demo"}
+
+
+def test_dtype_names(tmp_path: Path) -> None:
+    config = fl.FSDPConfig.from_yaml(write(tmp_path, "mixed_precision: {param_dtype: bfloat16, reduce_dtype: float}"))
+    assert config.mixed_precision.param_dtype is torch.bfloat16
+    assert config.mixed_precision.reduce_dtype is torch.float32
+    [problem] = problems(tmp_path, "mixed_precision: {param_dtype: bf61}")
+    assert problem.location == "mixed_precision.param_dtype"
+    assert "'bf61' is not a dtype" in problem.message and "bf16" in problem.message
+
+
+def test_unknown_keys_get_the_closest_valid_key(tmp_path: Path) -> None:
+    found = problems(tmp_path, "mixed_precison: {}\nwrap:\n  - match: {clas: Block}\n")
+    by_location = {p.location: p for p in found}
+    assert by_location["mixed_precison"].suggestion == "did you mean 'mixed_precision'?"
+    assert by_location["wrap.0.match.clas"].suggestion == "did you mean 'class'?"
+
+
+def test_all_errors_are_reported_at_once(tmp_path: Path) -> None:
+    text = "mesh: {replicate: 0}\nreshard_after_forward: sometimes\noffload: {device: gpu}\nextra: 1\n"
+    locations = {p.location for p in problems(tmp_path, text)}
+    assert {"mesh.replicate", "offload.device", "extra"} <= locations
+    assert any(loc.startswith("reshard_after_forward") for loc in locations)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("wrap: [\n  {match: \n", "not valid YAML"),
+        ("- a\n- b\n", "must be a mapping of keys, got a list"),
+    ],
+)
+def test_files_that_are_not_configs(tmp_path: Path, text: str, message: str) -> None:
+    [problem] = problems(tmp_path, text)
+    assert message in problem.message
+    with pytest.raises(fl.ConfigError, match=str(tmp_path / "config.yaml")):
+        fl.FSDPConfig.from_yaml(tmp_path / "config.yaml")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(fl.ConfigError, match=r"(?s)missing.yaml.*cannot read the file"):
+        fl.FSDPConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_model_validate_raises_pydantic_errors_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match=r"wrap\.0\.group"):
+        fl.FSDPConfig.model_validate({"wrap": [{"match": {"class": "Block"}, "group": "maybe"}]})
+    with pytest.raises(ValidationError, match="a match needs 'class' and/or 'path'"):
+        fl.FSDPConfig.model_validate({"wrap": [{"match": {}}]})
+
+
+def test_mesh_degrees() -> None:
+    mesh = fl.config.MeshConfig(replicate=2, shard=-1)
+    assert mesh.resolve(8) == (2, 4)
+    with pytest.raises(ValueError, match=r"mesh replicate\(2\) \* shard\(3\) != world_size\(8\)"):
+        fl.config.MeshConfig(replicate=2, shard=3).resolve(8)
+    with pytest.raises(ValueError, match=r"replicate\(3\) does not divide world_size\(8\)"):
+        mesh.model_copy(update={"replicate": 3}).resolve(8)
+
+
+# ---- planning ------------------------------------------------------------------------------------
+def test_plan_first_match_wins_and_groups_bottom_up() -> None:
+    config = fl.FSDPConfig(
+        wrap=[
+            WrapRule(match=Match(path="blocks.0")),
+            WrapRule(match=Match(class_="Block"), reshard_after_forward=False),
+            WrapRule(match=Match(path=["tok_emb", "head"]), group=True, mixed_precision={"param_dtype": "bf16"}),
+            WrapRule(match=Match(class_="Linear", path="blocks.*.mlp.*")),
+        ]
+    )
+    plan = fl.plan_config(tiny_gpt(), config)
+    assert not plan.problems
+    paths = [g.paths for g in plan.groups]
+    assert paths[-1] == ("",)  # root last
+    depths = [g.depth for g in plan.groups]
+    assert depths == sorted(depths, reverse=True), "deeper groups are applied first"
+    assert ("blocks.0.mlp.0",) in paths and ("blocks.0",) in paths and ("tok_emb", "head") in paths
+    by_paths = {g.paths: g for g in plan.groups}
+    assert by_paths[("blocks.0",)].rule_index == 0 and by_paths[("blocks.1",)].rule_index == 1
+    assert by_paths[("blocks.1",)].policy.reshard_after_forward is False
+    merged = by_paths[("tok_emb", "head")].policy.mixed_precision
+    assert merged.param_dtype is torch.bfloat16 and merged.cast_forward_inputs is True
+
+
+def test_rule_that_matches_nothing_lists_the_model_classes() -> None:
+    config = fl.FSDPConfig(wrap=[WrapRule(match=Match(class_="TransformerBlock"))], ignore=[Match(path="*.rotary")])
+    plan = fl.plan_config(tiny_gpt(), config)
+    assert [p.location for p in plan.problems] == ["wrap.0.match", "ignore.0"]
+    assert "Block" in plan.problems[0].suggestion and "Embedding" in plan.problems[0].suggestion
+    with pytest.raises(fl.ConfigError, match=r"wrap.0.match: matches no module"):
+        fl.apply_config(tiny_gpt(), config, mesh=object())  # rejected before any mesh is used
+
+
+def test_ignore_rules_select_parameters() -> None:
+    config = fl.FSDPConfig(wrap=[WrapRule(match=Match(class_="Block"))], ignore=[Match(path="pos_emb.*")])
+    assert list(fl.plan_config(tiny_gpt(), config).ignored) == ["pos_emb.weight"]
+
+
+# ---- apply_config on real ranks ------------------------------------------------------------------
+def config_file(name: str) -> fl.FSDPConfig:
+    return fl.FSDPConfig.from_yaml(next(p for p in CONFIGS if p.stem == name))
+
+
+def check_parity_configs(rank: int, ws: int) -> None:
+    for name in ("fp32", "demo", "cpu_offload"):
+        config = config_file(name)
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cpu_offload's pin_memory on a CPU-only machine
+            train_and_compare(
+                model, lambda m, config=config: fl.apply_config(m, config), gpt_batch, gpt_loss, rank, label=name
+            )
+        groups = {id(m._fsdp_state) for m in model.modules() if isinstance(m, fl.FSDPModule)}
+        assert len(groups) == TINY_GPT.n_layers + 1, name
+
+
+def check_bf16_config(rank: int, ws: int) -> None:
+    torch.manual_seed(0)
+    model = fl.apply_config(tiny_gpt(), config_file("bf16"))
+    seen: dict[str, torch.dtype] = {}
+    model.blocks[0].mlp[0].register_forward_pre_hook(lambda m, a: seen.update(block=m.weight.dtype))
+    model.head.register_forward_pre_hook(lambda m, a: seen.update(head=m.weight.dtype))
+    gpt_loss(model, gpt_batch(0, rank)).backward()
+    assert seen == {"block": torch.bfloat16, "head": torch.float32}, seen
+    assert model.tok_emb._fsdp_state is model.head._fsdp_state, "the tied pair is one group"
+    assert all(isinstance(p, DTensor) and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def check_ignored_params(rank: int, ws: int) -> None:
+    config = fl.FSDPConfig(wrap=[WrapRule(match=Match(class_="Block"))], ignore=[Match(path="pos_emb.*")])
+    model = fl.apply_config(tiny_gpt(), config)
+    assert not isinstance(model.pos_emb.weight, DTensor)
+    assert all(isinstance(p, DTensor) for n, p in model.named_parameters() if n != "pos_emb.weight")
+    gpt_loss(model, gpt_batch(0, rank)).backward()
+    assert model.pos_emb.weight.grad is not None and not isinstance(model.pos_emb.weight.grad, DTensor)
+
+
+def check_mesh_mismatch(rank: int, ws: int) -> None:
+    config = fl.FSDPConfig.model_validate(
+        {"mesh": {"replicate": 2, "shard": 3}, "wrap": [{"match": {"class": "Block"}}]}
+    )
+    with pytest.raises(ValueError, match=rf"mesh replicate\(2\) \* shard\(3\) != world_size\({ws}\)"):
+        fl.apply_config(tiny_gpt(), config)
+
+
+def run(rank: int, ws: int) -> None:
+    for check in (check_parity_configs, check_bf16_config, check_ignored_params, check_mesh_mismatch):
+        check(rank, ws)
+        dist.barrier()
+
+
+def test_apply_config_on_two_ranks() -> None:
+    spawn(run, 2)
