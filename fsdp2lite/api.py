@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._runtime.group import FSDPParamGroup
+from ._runtime.group import FSDPParamGroup, check_post_forward_size
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
 from .mesh import MeshInfo, default_mesh, mesh_info_for
@@ -66,12 +66,19 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Free (True) or keep (False) the unsharded parameters between forward and backward."""
-        _check_bool("reshard_after_forward", reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Free (True), keep (False) or shrink to k-rank shards (int k) the unsharded parameters
+        between forward and backward. An int creates process groups: call it on every rank."""
+        _check_reshard_after_forward(reshard_after_forward, allow_none=False)
         for group in self._groups(recurse):
-            group.reshard_after_forward_requested = reshard_after_forward
-            group.reshard_after_forward = reshard_after_forward
+            group.set_reshard_after_forward(reshard_after_forward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: skip (False) the all-reduce across replicas; reduce-scattered sums are kept and added
+        into the next all-reduce, so accumulating microbatches this way loses nothing."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the unsharded parameters after backward (False), e.g. across accumulation steps.
@@ -130,7 +137,7 @@ def fully_shard(
     module: M,
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -141,7 +148,8 @@ def fully_shard(
         module: a module with a ``forward``, or a non-empty list of them forming one group.
         mesh: a 1D ``DeviceMesh``; None builds one over the default process group.
         reshard_after_forward: free the unsharded parameters after forward (True), keep them until
-            backward (False), or None: False for the root, True for every other group.
+            backward (False), keep a k-rank shard so backward all-gathers over k ranks (int k, a
+            divisor of the shard group size), or None: False for the root, True for every other group.
         mp_policy: dtypes of the all-gather/compute (param_dtype), the gradient reduction
             (reduce_dtype), outputs and inputs; None: no casts. Sharded parameters and their
             gradients keep the parameters' own dtype.
@@ -156,6 +164,8 @@ def fully_shard(
     owned = _collect_params(modules, ignored)
     mesh_info = _mesh_info(mesh, owned, policy.offload_to_cpu)
     _check_group_dtypes(owned, policy)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        check_post_forward_size(reshard_after_forward, mesh_info.shard_size)
     params = tuple(
         FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy)
         for fqn, param, places in owned
@@ -194,12 +204,13 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
-def _check_reshard_after_forward(value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(
-            f"reshard_after_forward must be True, False or None (root False, others True), "
-            f"got {value!r} ({type(value).__name__})"
-        )
+def _check_reshard_after_forward(value: Any, allow_none: bool = True) -> None:
+    if (value is None and allow_none) or isinstance(value, bool | int):
+        return
+    raise TypeError(
+        "reshard_after_forward must be True, False, an int k (reshard to groups of k ranks)"
+        f"{' or None (root False, others True)' if allow_none else ''}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, ParamPolicy]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
@@ -54,17 +54,24 @@ def init_mesh(*, replicate: int = 1, shard: int = -1, device_type: str | None = 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """What the runtime needs from a mesh: the shard group, its size and this rank's place in it."""
+    """What the runtime needs from a mesh: the shard group (and, for HSDP, the replicate group)."""
 
     mesh: DeviceMesh
-    shard_axis: int  # mesh axis that parameters are sharded over
     shard_group: dist.ProcessGroup
     shard_size: int
     shard_rank: int
+    replicate_group: dist.ProcessGroup | None  # None on a 1D mesh
+    replicate_size: int
 
     @property
     def placements(self) -> tuple[Placement, ...]:
-        return (Shard(0),)
+        """``(Shard(0),)`` on a 1D mesh; ``(Replicate(), Shard(0))`` on a (replicate, shard) mesh."""
+        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: shard size times replicas."""
+        return self.shard_size * self.replicate_size
 
     @property
     def device(self) -> torch.device:
@@ -73,19 +80,37 @@ class MeshInfo:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.mesh.device_type)
 
+    def post_forward_group(self, ranks: int) -> tuple[dist.ProcessGroup, int]:
+        """(group, rank in it) of this rank's ``ranks`` consecutive shard-group neighbours.
+
+        Creates the subgroups collectively: every rank of the mesh must call this with the same value.
+        """
+        shard_ranks = self.mesh.mesh  # (shard,) or (replicate, shard) global ranks
+        split = shard_ranks.reshape(*shard_ranks.shape[:-1], self.shard_size // ranks, ranks)
+        names = (*(("replicate",) if split.dim() == 3 else ()), "shard_outer", "shard_inner")
+        sub_mesh = DeviceMesh(self.mesh.device_type, split, mesh_dim_names=names)
+        return sub_mesh.get_group("shard_inner"), sub_mesh.get_local_rank("shard_inner")
+
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
-    """Describe ``mesh`` for the runtime; raises naming the shape when it is not supported."""
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names or ()
+    """Describe ``mesh`` for the runtime: 1D = FSDP; 2D ordered (replicate, shard) = HSDP."""
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard supports 1D meshes; got a {mesh.ndim}D mesh of shape "
-            f"{tuple(mesh.shape)} (axes {names}). HSDP (2D meshes) is not supported yet."
+            f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard); got a {mesh.ndim}D mesh "
+            f"of shape {tuple(mesh.shape)}"
         )
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
+        raise ValueError(
+            f"a 2D mesh must be ordered (replicate, shard); got axes {tuple(names)}. Build it with "
+            "fsdp2lite.init_mesh(replicate=R, shard=S) or name its axes ('replicate', 'shard')"
+        )
+    shard_axis = mesh.ndim - 1  # the axis order is checked above: (replicate, shard) or (shard,)
     return MeshInfo(
         mesh=mesh,
-        shard_axis=0,
-        shard_group=mesh.get_group(0),
-        shard_size=mesh.size(0),
-        shard_rank=mesh.get_local_rank(0),
+        shard_group=mesh.get_group(shard_axis),
+        shard_size=mesh.size(shard_axis),
+        shard_rank=mesh.get_local_rank(shard_axis),
+        replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
+        replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )

@@ -73,10 +73,19 @@ def test_zero_dim_parameter_can_be_ignored() -> None:
     assert isinstance(model.weight, DTensor) and not isinstance(model.temperature, DTensor)
 
 
-@pytest.mark.parametrize("value", ["yes", 2, 1.0])
+@pytest.mark.parametrize("value", ["yes", 1.0, [2]])
 def test_reshard_after_forward_type(value: object) -> None:
-    with pytest.raises(TypeError, match=rf"reshard_after_forward must be True, False or None.*{value!r}"):
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False, an int k.*or None"):
         fl.fully_shard(nn.Linear(2, 2), reshard_after_forward=value)  # type: ignore[arg-type]
+
+
+def test_reshard_after_forward_int_must_divide_the_shard_size() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"reshard_after_forward=2 must divide the shard group size \(1\); valid values: \[1\]"
+    ):
+        fl.fully_shard(model, reshard_after_forward=2)
+    assert not isinstance(model.weight, DTensor)  # rejected before anything changed
 
 
 def test_mesh_of_wrong_type() -> None:
@@ -106,7 +115,7 @@ def test_setter_types() -> None:
     model = fl.fully_shard(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="requires_gradient_sync must be True or False, got 'no'"):
         model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be True, False, an int k .*got None"):
         model.set_reshard_after_forward(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reshard_after_backward must be True or False"):
         model.set_reshard_after_backward(1)  # type: ignore[arg-type]
@@ -122,7 +131,10 @@ def test_meta_parameters_at_first_forward() -> None:
         model(torch.randn(2, 4))
 
 
-def test_hsdp_mesh_not_yet_supported() -> None:
-    mesh = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ValueError, match=r"1D meshes; got a 2D mesh of shape \(1, 1\)"):
-        fl.fully_shard(nn.Linear(2, 2), mesh)
+def test_mesh_shapes() -> None:
+    mesh_3d = DeviceMesh("cpu", torch.arange(1).view(1, 1, 1), _init_backend=False)
+    with pytest.raises(ValueError, match=r"1D mesh \(shard\) or a 2D mesh \(replicate, shard\); got a 3D mesh"):
+        fl.fully_shard(nn.Linear(2, 2), mesh_3d)
+    swapped = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("shard", "replicate"))
+    with pytest.raises(ValueError, match=r"ordered \(replicate, shard\); got axes \('shard', 'replicate'\)"):
+        fl.fully_shard(nn.Linear(2, 2), swapped)

@@ -25,6 +25,7 @@ when the backend's worker thread lets go of the finished work.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,10 +38,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_all_reduce = dist.all_reduce
+
+
 class AllGatherResult(NamedTuple):
     """An all-gather in flight, holding its buffer until the work is waited on."""
 
-    all_gather_output: torch.Tensor  # (shard_size * group_numel,)
+    all_gather_output: torch.Tensor  # (group_size * group_numel,)
     all_gather_input: torch.Tensor  # (group_numel,): this rank's slot of all_gather_output
     work: dist.Work | None
 
@@ -54,27 +58,31 @@ class ReduceScatterResult(NamedTuple):
     work: dist.Work | None
 
 
-def _offsets(params: tuple[FSDPParam, ...]) -> list[int]:
+def _offsets(numels: list[int]) -> list[int]:
     offsets = [0]
-    for param in params:
-        offsets.append(offsets[-1] + param.padded_numel)
+    for numel in numels:
+        offsets.append(offsets[-1] + numel)
     return offsets
 
 
+def _row_numel(param: FSDPParam) -> int:
+    return param.orig_shape.numel() // param.orig_shape[0]
+
+
 def issue_all_gather(
-    params: tuple[FSDPParam, ...], group: dist.ProcessGroup, shard_size: int, shard_rank: int, dtype: torch.dtype
+    sources: list[torch.Tensor], group: dist.ProcessGroup, group_size: int, group_rank: int, dtype: torch.dtype
 ) -> AllGatherResult:
-    """Copy every padded shard into this rank's slot of one flat buffer and start one in-place all-gather.
+    """Copy ``sources`` (this rank's flat padded shards) into this rank's slot of one flat buffer and
+    start one in-place all-gather over ``group``.
 
     The input is a view of the output (``output[rank * group_numel : (rank + 1) * group_numel]``), so the
     all-gather allocates the group's bytes once: [Note: buffer lifetime].
     """
-    offsets = _offsets(params)
-    all_gather_output = torch.empty(shard_size * offsets[-1], dtype=dtype, device=params[0].device)
-    all_gather_input = all_gather_output.narrow(0, shard_rank * offsets[-1], offsets[-1])  # (group_numel,)
-    for param, start, end in zip(params, offsets, offsets[1:]):
-        # copy-in and cast in one pass (host-to-device too when offloaded: pinned, so non-blocking)
-        all_gather_input[start:end].copy_(param.padded_shard.view(-1), non_blocking=True)
+    offsets = _offsets([source.numel() for source in sources])
+    all_gather_output = torch.empty(group_size * offsets[-1], dtype=dtype, device=sources[0].device)
+    all_gather_input = all_gather_output.narrow(0, group_rank * offsets[-1], offsets[-1])  # (group_numel,)
+    for source, start, end in zip(sources, offsets, offsets[1:]):
+        all_gather_input[start:end].copy_(source, non_blocking=True)  # copy-in, cast in one pass
     work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=True)
     return AllGatherResult(all_gather_output, all_gather_input, work)
 
@@ -86,15 +94,32 @@ def wait_all_gather(result: AllGatherResult) -> torch.Tensor:
     return result.all_gather_output
 
 
-def copy_out_all_gather(all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], shard_size: int) -> None:
+def copy_out_all_gather(
+    all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, padded_rows: list[int]
+) -> None:
     """Copy each parameter's rows out of the rank-major all-gather output into unsharded storage."""
-    offsets = _offsets(params)
-    rank_major = all_gather_output.view(shard_size, offsets[-1])
-    for param, start, end in zip(params, offsets, offsets[1:]):
+    offsets = _offsets([rows * _row_numel(p) for p, rows in zip(params, padded_rows)])
+    rank_major = all_gather_output.view(group_size, offsets[-1])
+    for param, rows, start, end in zip(params, padded_rows, offsets, offsets[1:]):
         unsharded = param.alloc_unsharded()
-        pairs = rank_major_pairs(unsharded, rank_major[:, start:end], param.padded_rows)
-        for full_part, gathered_part in pairs:
+        for full_part, gathered_part in rank_major_pairs(unsharded, rank_major[:, start:end], rows):
             full_part.copy_(gathered_part)
+
+
+def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> tuple[torch.Tensor, list[int]]:
+    """This rank's chunk of every unsharded parameter when sharded over ``size`` ranks, in one flat buffer.
+
+    Returns (buffer (group_numel,), padded rows per parameter). Chunking follows torch.chunk, padded
+    like the main shards, so ``copy_out_all_gather`` restores the parameters from a ``size``-rank gather.
+    """
+    padded_rows = [math.ceil(p.orig_shape[0] / size) for p in params]
+    offsets = _offsets([rows * _row_numel(p) for p, rows in zip(params, padded_rows)])
+    buffer = torch.zeros(offsets[-1], dtype=params[0].param_dtype, device=params[0].device)
+    for param, rows, start in zip(params, padded_rows, offsets):
+        unsharded = param.alloc_unsharded().view(param.orig_shape[0], -1)  # (dim0, row_numel)
+        local = unsharded[rank * rows : (rank + 1) * rows]  # torch.chunk's piece; may be short or empty
+        buffer[start : start + local.numel()].copy_(local.reshape(-1))
+    return buffer, padded_rows
 
 
 def issue_reduce_scatter(
@@ -105,7 +130,7 @@ def issue_reduce_scatter(
     dtype: torch.dtype,
 ) -> ReduceScatterResult:
     """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum)."""
-    offsets = _offsets(params)
+    offsets = _offsets([p.padded_numel for p in params])
     device = grads[0].device
     reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=device)
     rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
@@ -117,22 +142,40 @@ def issue_reduce_scatter(
             pad.zero_()
     reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=device)
     work = _reduce_scatter_flat(
-        reduce_scatter_output,
-        reduce_scatter_input,
-        op=dist.ReduceOp.SUM,
-        group=group,
-        async_op=True,
+        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=True
     )
     return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, work)
 
 
-def finish_reduce_scatter(result: ReduceScatterResult, divide_factor: float) -> None:
-    """Wait for the reduce-scatter, average, and accumulate each slot into its sharded ``.grad``."""
+def finish_reduce_scatter(
+    result: ReduceScatterResult, divide_factor: float, replicate_group: dist.ProcessGroup | None, all_reduce: bool
+) -> None:
+    """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas; average; accumulate into
+    each sharded ``.grad``.
+
+    HSDP with ``all_reduce=False`` keeps the replica-local sums on the parameters instead
+    (``partial_reduced_grad``); the next all-reduce adds them in, so nothing is lost.
+    Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over
+    its replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean.
+    """
     if result.work is not None:
         result.work.wait()  # the output is complete only after this
     output = result.reduce_scatter_output
+    slots = _slots(output, result.params)
+    if replicate_group is not None:
+        if not all_reduce:
+            for param, slot in slots:
+                param.keep_partial_reduced_grad(slot)
+            return
+        for param, slot in slots:
+            param.add_partial_reduced_grad(slot)
+        _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group)  # blocking: the sum is used next
     if divide_factor != 1.0:
         output.div_(divide_factor)
-    offsets = _offsets(result.params)
-    for param, start, end in zip(result.params, offsets, offsets[1:]):
-        param.accumulate_sharded_grad(output[start:end])
+    for param, slot in slots:
+        param.accumulate_sharded_grad(slot)
+
+
+def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:
+    offsets = _offsets([p.padded_numel for p in params])
+    return [(param, output[start:end]) for param, start, end in zip(params, offsets, offsets[1:])]

@@ -1,12 +1,22 @@
 """One communication group: the parameters of one ``fully_shard`` call.
 
 A group is all-gathered as one collective before it is used and reduce-scattered as one collective
-after its backward. It owns the phase logic; ``state.py`` decides *when* each phase runs.
+after its backward (plus, for HSDP, one all-reduce across replicas). It owns the phase logic;
+``state.py`` decides *when* each phase runs.
+
+[Note: post-forward reshard]
+``reshard_after_forward=k`` (1 < k < shard size, k divides it): after forward each rank keeps its
+torch.chunk piece of the parameters as if sharded over k ranks (its k-1 neighbours in the shard group
+keep the others), so the backward all-gather runs over those k ranks only: less traffic and latency,
+for (shard_size / k) times the sharded bytes held between forward and backward.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..mesh import MeshInfo
@@ -17,10 +27,37 @@ from .collectives import (
     finish_reduce_scatter,
     issue_all_gather,
     issue_reduce_scatter,
+    post_forward_shards,
     wait_all_gather,
 )
 from .param import FSDPParam
 from .states import ShardedState, TrainingState
+
+
+class PendingUnshard(NamedTuple):
+    """An all-gather in flight and the layout its output has."""
+
+    result: AllGatherResult
+    group_size: int  # ranks it gathers from: the shard group, or the post-forward group
+    padded_rows: list[int]  # per parameter, rows each rank contributes
+
+
+class PostForwardGroup(NamedTuple):
+    """The k-rank group a group reshards to after forward ([Note: post-forward reshard])."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
+def check_post_forward_size(value: int, shard_size: int) -> None:
+    """An int reshard_after_forward must divide the shard group size; raises listing the valid ones."""
+    if value < 1 or shard_size % value:
+        divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size ({shard_size}); "
+            f"valid values: {divisors} (1 behaves like False, {shard_size} like True)"
+        )
 
 
 class FSDPParamGroup:
@@ -30,15 +67,18 @@ class FSDPParamGroup:
     params: tuple[FSDPParam, ...]
     modules: tuple[nn.Module, ...]
     mesh_info: MeshInfo
-    reshard_after_forward_requested: bool | None  # the user's value; None = decided by the root
-    reshard_after_forward: bool  # effective value, resolved at lazy init
+    reshard_after_forward_requested: bool | int | None  # the user's value; None = decided by the root
+    reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
+    post_forward_group: PostForwardGroup | None  # set when reshard_after_forward is an int k
     reshard_after_backward: bool
     requires_gradient_sync: bool
-    gradient_divide_factor: float | None  # None: the shard group size (an average)
+    requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
+    gradient_divide_factor: float | None  # None: the data-parallel size (an average)
     sharded_state: ShardedState
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
-    all_gather_result: AllGatherResult | None  # an all-gather issued and not yet copied out
+    pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
+    post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, rows) while resharded to k
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
 
     def __init__(
@@ -46,25 +86,41 @@ class FSDPParamGroup:
         params: tuple[FSDPParam, ...],
         modules: tuple[nn.Module, ...],
         mesh_info: MeshInfo,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
         self.modules = modules
         self.mesh_info = mesh_info
-        self.reshard_after_forward_requested = reshard_after_forward
-        self.reshard_after_forward = bool(reshard_after_forward)
+        self.post_forward_group = None
+        self.set_reshard_after_forward(reshard_after_forward)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
         self.gradient_divide_factor = None
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
-        self.all_gather_result = None
+        self.pending_unshard = None
+        self.post_forward_buffer = None
         self.reduce_scatter_result = None
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Record the user's value and resolve what it can now (None waits for lazy init)."""
+        self.reshard_after_forward_requested = value
+        self.reshard_after_forward = bool(value)
+        self.post_forward_group = None
+        if isinstance(value, bool) or value is None:
+            return
+        shard_size = self.mesh_info.shard_size
+        check_post_forward_size(value, shard_size)
+        self.reshard_after_forward = value > 1
+        if 1 < value < shard_size:
+            group, rank = self.mesh_info.post_forward_group(value)
+            self.post_forward_group = PostForwardGroup(group, value, rank)
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
@@ -73,21 +129,31 @@ class FSDPParamGroup:
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
-        if self.sharded_state is ShardedState.UNSHARDED or self.all_gather_result is not None:
+        if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
+            return
+        dtype = self.params[0].param_dtype  # one dtype per group, checked by fully_shard
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self.post_forward_buffer is not None:
+            sub = self.post_forward_group
+            if sub is None:
+                raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
+            buffer, rows = self.post_forward_buffer
+            result = issue_all_gather([buffer], sub.group, sub.size, sub.rank, dtype)
+            self.pending_unshard = PendingUnshard(result, sub.size, rows)
             return
         info = self.mesh_info
-        dtype = self.params[0].param_dtype  # one dtype per group, checked by fully_shard
-        self.all_gather_result = issue_all_gather(
-            self.params, info.shard_group, info.shard_size, info.shard_rank, dtype
-        )
+        sources = [p.padded_shard.view(-1) for p in self.params]
+        result = issue_all_gather(sources, info.shard_group, info.shard_size, info.shard_rank, dtype)
+        self.pending_unshard = PendingUnshard(result, info.shard_size, [p.padded_rows for p in self.params])
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""
-        result = self.all_gather_result
-        if result is None:
+        pending = self.pending_unshard
+        if pending is None:
             return
-        self.all_gather_result = None
-        copy_out_all_gather(wait_all_gather(result), self.params, self.mesh_info.shard_size)
+        self.pending_unshard = None
+        output = wait_all_gather(pending.result)
+        copy_out_all_gather(output, self.params, pending.group_size, pending.padded_rows)
+        self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -95,11 +161,24 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Free the unsharded parameters (waiting first for an all-gather still in flight)."""
         self.wait_for_unshard()
+        self.post_forward_buffer = None
         if self.sharded_state is ShardedState.SHARDED:
             return
         for param in self.params:
             param.to_sharded()
         self.sharded_state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """Keep only this rank's chunk over the post-forward group, then free the unsharded parameters."""
+        sub = self.post_forward_group
+        if sub is None or self.sharded_state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        buffer = post_forward_shards(self.params, sub.size, sub.rank)
+        for param in self.params:
+            param.to_sharded()
+        self.post_forward_buffer = buffer
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # ---- phases ---------------------------------------------------------------------------
     def pre_forward(self) -> None:
@@ -108,9 +187,10 @@ class FSDPParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self, grad_enabled: bool) -> None:
-        # Without autograd no backward can follow, so nothing is worth keeping unsharded.
-        if self.reshard_after_forward or not grad_enabled:
-            self.reshard()
+        if not grad_enabled:
+            self.reshard()  # no backward can follow: nothing is worth keeping
+        elif self.reshard_after_forward:
+            self.reshard_post_forward()
         self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
@@ -146,13 +226,14 @@ class FSDPParamGroup:
         )
 
     def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and accumulate into the sharded grads."""
+        """Wait for the reduce-scatter in flight, if any, all-reduce for HSDP, accumulate into grads."""
         result = self.reduce_scatter_result
         if result is None:
             return
-        factor = self.gradient_divide_factor or float(self.mesh_info.shard_size)
-        finish_reduce_scatter(result, factor)
-        self.reduce_scatter_result = None  # frees the flat buffers: [Note: buffer lifetime]
+        self.reduce_scatter_result = None  # frees the flat buffers once applied: [Note: buffer lifetime]
+        info = self.mesh_info
+        factor = self.gradient_divide_factor or float(info.data_parallel_size)
+        finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what autograd never handed us, apply reductions, go idle."""

@@ -117,6 +117,7 @@ class FSDPParam:
     offload_to_cpu: bool
     pin_memory: bool
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
+    partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
 
     def __init__(
         self,
@@ -138,6 +139,7 @@ class FSDPParam:
         self.offload_to_cpu = policy.offload_to_cpu
         self.pin_memory = policy.pin_memory
         self.accumulated_grad = None
+        self.partial_reduced_grad = None
         self.orig_param_ref = weakref.ref(param)
         dim0, ws, rank = param.shape[0], mesh_info.shard_size, mesh_info.shard_rank
         self.padded_rows = math.ceil(dim0 / ws)
@@ -279,6 +281,19 @@ class FSDPParam:
         if grad is not None:
             accumulated.add_(grad)
         return accumulated
+
+    def keep_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
+        """HSDP with the all-reduce off: add this reduce-scatter's replica-local sum to the kept one."""
+        if self.partial_reduced_grad is None:
+            self.partial_reduced_grad = padded_grad.clone()  # the flat output buffer is freed after this
+        else:
+            self.partial_reduced_grad.add_(padded_grad)
+
+    def add_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
+        """Before the all-reduce: fold the kept replica-local sums into this reduce-scatter's slot."""
+        if self.partial_reduced_grad is not None:
+            padded_grad.add_(self.partial_reduced_grad)
+            self.partial_reduced_grad = None
 
     def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
         """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``.

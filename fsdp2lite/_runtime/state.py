@@ -149,6 +149,7 @@ class FSDPState:
             names.setdefault(id(state), name)
             if state is not self and state not in states:
                 states.append(state)
+        _check_one_mesh(states, names)
         context = RootContext(states)
         for state in states:
             state.is_root = state is self
@@ -158,9 +159,9 @@ class FSDPState:
                 state.init_group_for_root(state.group)
 
     def init_group_for_root(self, group: FSDPParamGroup) -> None:
-        requested = group.reshard_after_forward_requested
-        # None: the root keeps its parameters (backward starts with it), every other group frees them
-        group.reshard_after_forward = (not self.is_root) if requested is None else requested
+        if group.reshard_after_forward_requested is None:
+            # the root keeps its parameters (backward starts with it), every other group frees them
+            group.reshard_after_forward = not self.is_root
         group.reset_sharded_params()
         for param in group.params:
             if param.device.type == "meta":
@@ -250,3 +251,14 @@ def _attach_post_backward(
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree to ``dtype`` (others untouched)."""
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _check_one_mesh(states: list[FSDPState], names: dict[int, str]) -> None:
+    """Every group under one root must use the same mesh: one schedule, one set of process groups."""
+    meshes = [(names[id(st)] or "<root>", st.group.mesh_info.mesh) for st in states if st.group is not None]
+    if any(mesh != meshes[0][1] for _, mesh in meshes):
+        listing = ", ".join(f"{name}: {tuple(mesh.shape)} {mesh.mesh_dim_names}" for name, mesh in meshes)
+        raise ValueError(
+            f"all fully_shard calls under one root must use the same mesh; got {listing}. "
+            "Pass the same DeviceMesh to every call (fsdp2lite.init_mesh builds one)"
+        )

@@ -23,4 +23,5 @@ class ShardedState(Enum):
     """Where a group's parameters live."""
 
     SHARDED = auto()  # only the padded local shard exists; modules hold the DTensor parameters
+    SHARDED_POST_FORWARD = auto()  # also a chunk over a smaller group, kept for backward (int reshard)
     UNSHARDED = auto()  # full parameters allocated and registered on the modules
