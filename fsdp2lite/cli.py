@@ -1,7 +1,10 @@
 """The ``fsdp2lite`` command line: one subcommand per module, argparse underneath.
 
     fsdp2lite --version
-    fsdp2lite demo --world-size 2 --steps 30
+    fsdp2lite demo --world-size 2 --steps 30 [--config configs/demo.yaml]
+    fsdp2lite validate configs/*.yaml
+    fsdp2lite explain configs/bf16.yaml --model fsdp2lite.models:gpt_small --world-size 8
+    fsdp2lite schema [--markdown]
 
 Adding a subcommand (``validate``, ``explain``, ``schema``): write its module with
 ``add_arguments(parser)`` and ``run(args) -> int``, then one ``_add_<name>`` function here that
@@ -81,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fsdp2lite {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(commands)
+    _add_validate(commands)
+    _add_explain(commands)
+    _add_schema(commands)
     return parser
 
 
@@ -94,6 +100,38 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_arguments(parser)
     parser.set_defaults(run=demo.run_demo)
+
+
+def _add_validate(commands: argparse._SubParsersAction) -> None:
+    from . import validate
+
+    parser = commands.add_parser(
+        "validate", help="check YAML policy files against the schema", description=validate.DESCRIPTION
+    )
+    validate.add_arguments(parser)
+    parser.set_defaults(run=validate.run)
+
+
+def _add_explain(commands: argparse._SubParsersAction) -> None:
+    from . import explain  # imported here: explain imports UsageError and the types from this module
+
+    parser = commands.add_parser(
+        "explain",
+        help="show the groups, bytes per rank and policies a config gives a model",
+        description=explain.DESCRIPTION,
+    )
+    explain.add_arguments(parser)
+    parser.set_defaults(run=explain.run)
+
+
+def _add_schema(commands: argparse._SubParsersAction) -> None:
+    from . import schema_doc
+
+    parser = commands.add_parser(
+        "schema", help="print the YAML policy schema (JSON Schema or Markdown)", description=schema_doc.DESCRIPTION
+    )
+    schema_doc.add_arguments(parser)
+    parser.set_defaults(run=schema_doc.run)
 
 
 def main(argv: list[str] | None = None) -> int:

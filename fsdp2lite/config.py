@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -136,9 +136,11 @@ class FSDPConfig(BaseModel):
         """Load and validate a YAML file; raises ``ConfigError`` listing every problem found."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(path, [Problem("", f"cannot read the file: {exc.strerror or exc}", "")]) from None
+        except UnicodeDecodeError:
+            raise ConfigError(path, [Problem("", "not a text file (not UTF-8): is this a YAML config?", "")]) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -195,7 +197,7 @@ def problems_from(exc: ValidationError) -> list[Problem]:
             suggestion = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
             problems.append(Problem(location, f"unknown key '{loc[-1]}'", suggestion))
         else:
-            problems.append(Problem(location, error["msg"], ""))
+            problems.append(Problem(location, error["msg"].removeprefix("Value error, "), ""))
     return problems
 
 
@@ -263,12 +265,16 @@ class Plan:
     """The result of matching a config's rules against a model, before anything is sharded."""
 
     groups: list[GroupPlan] = field(default_factory=list)  # bottom-up order, root last
+    params: list[dict[str, nn.Parameter]] = field(default_factory=list)  # per group: name -> parameter
     ignored: dict[str, nn.Parameter] = field(default_factory=dict)  # parameter path -> parameter
-    problems: list[Problem] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)  # rules that match nothing
+    refused: list[Problem] = field(default_factory=list)  # parameters that cannot be sharded as planned
 
 
 def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
-    """Match the wrap rules (first match wins) and ignore rules; collect every problem."""
+    """Match the wrap rules (first match wins) and ignore rules, assign each parameter to the group
+    ``fully_shard`` would give it (groups in plan order), and collect every problem: rules that match
+    nothing, parameters tied across groups, 0-dim parameters."""
     plan = Plan()
     top = GroupPolicy(config.reshard_after_forward, config.mixed_precision, config.offload)
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
@@ -295,6 +301,7 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan.groups.sort(key=lambda g: -g.depth)  # stable: rule order within a depth
     plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
     _plan_ignored(model, config, plan, class_names)
+    plan.params, plan.refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
     return plan
 
 
@@ -325,6 +332,65 @@ def _plan_ignored(model: nn.Module, config: FSDPConfig, plan: Plan, class_names:
             plan.ignored[name] = params[name]
 
 
+def _assign_params(groups: list[GroupPlan], ignored: set[int]) -> tuple[list[dict[str, nn.Parameter]], list[Problem]]:
+    """Each group's parameters (name -> parameter), sharding in plan order as ``apply_config`` does."""
+    owned: list[dict[str, nn.Parameter]] = []
+    refused: list[Problem] = []  # fully_shard raises for these, or (ties across sibling groups) unties them
+    applied: set[int] = set()  # ids of modules of groups sharded before this one
+    taken: dict[int, str] = {}  # id(parameter) -> label of the group that owns it
+    for group in groups:
+        label = " + ".join(path or "<root>" for path in group.paths)
+        params: dict[str, nn.Parameter] = {}
+        for name, param in _group_params(group, applied, ignored):
+            if id(param) in taken:
+                if taken[id(param)] != label:
+                    refused.append(_tie_problem(name, taken[id(param)]))
+                continue
+            taken[id(param)] = label
+            params[name] = param
+            if param.dim() == 0:
+                refused.append(Problem(name, "0-dim parameter: fully_shard shards on dim 0", _ignore_hint(name)))
+        owned.append(params)
+        applied.update(id(module) for module in group.modules)
+    return owned, refused
+
+
+def _tie_problem(name: str, owner: str) -> Problem:
+    return Problem(
+        name,
+        f"tied to a parameter that group '{owner}' already owns; a tie must stay within one group",
+        "put the modules sharing it in one rule with group: true, or leave them to one enclosing group",
+    )
+
+
+def _ignore_hint(name: str) -> str:
+    return f"make it shape (1,), or leave it unsharded: ignore: [{{path: {name}}}]"
+
+
+def _group_params(group: GroupPlan, applied: set[int], ignored: set[int]) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the group's modules, not descending into modules of earlier groups."""
+    seen: set[int] = set()
+    for path, module in zip(group.paths, group.modules):
+        for prefix, submodule in _walk(module, path, applied, seen):
+            for name, param in submodule._parameters.items():
+                if param is not None and id(param) not in ignored:
+                    yield _join(prefix, name), param
+
+
+def _walk(module: nn.Module, path: str, applied: set[int], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield path, module
+    for name, child in module.named_children():
+        if id(child) not in applied:
+            yield from _walk(child, _join(path, name), applied, seen)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.Module:
     """Shard ``model`` as ``config`` says: matched groups bottom-up, then the root; returns ``model``.
 
@@ -335,8 +401,8 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     from .mesh import init_mesh
 
     plan = plan_config(model, config)
-    if plan.problems:
-        raise ConfigError("config applied to " + type(model).__name__, plan.problems)
+    if plan.problems or plan.refused:
+        raise ConfigError("config applied to " + type(model).__name__, plan.problems + plan.refused)
     if mesh is None:
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
     ignored = set(plan.ignored.values())

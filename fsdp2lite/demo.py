@@ -1,7 +1,9 @@
 """``fsdp2lite demo``: train a small byte-level GPT sharded over CPU processes, end to end.
 
-What it shows: ``shard_gpt`` (one ``fully_shard`` group per block, then the root) training with AdamW
-on gloo, the loss going down, and each rank holding about ``1 / world_size`` of the parameter bytes.
+What it shows: ``apply_config`` with the policy in ``configs/demo.yaml`` (one ``fully_shard`` group per
+Block, then the root; ``--config`` picks another file) training with AdamW on gloo, the loss going
+down, and each rank holding about ``1 / world_size`` of the parameter bytes. The config is validated
+and planned against the model (on the meta device) before any rank is spawned.
 
 How it runs: ``torch.multiprocessing.spawn`` starts ``--world-size`` ranks (no torchrun, no port:
 rendezvous is a temporary file). Every rank builds the same model from ``--seed`` and samples its own
@@ -10,6 +12,7 @@ per step (loss averaged over ranks, tokens/s over all ranks), a per-rank paramet
 one-line summary.
 
     fsdp2lite demo                        # 2 ranks, 30 steps: well under a minute on 2 CPU cores
+    fsdp2lite demo --config configs/fp32.yaml
     python -m fsdp2lite demo --world-size 4 --steps 50 --d-model 64
 """
 
@@ -23,6 +26,7 @@ import tempfile
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,12 +34,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
-from .cli import UsageError, non_negative_int, positive_float, positive_int
-from .models import GPT, GPTConfig, shard_gpt
+from .cli import USAGE_EXIT_CODE, UsageError, non_negative_int, positive_float, positive_int
+from .config import ConfigError, FSDPConfig, Match, WrapRule, apply_config, plan_config
+from .models import GPT, GPTConfig
+from .validate import problems_table
 
 DESCRIPTION = (
     "Train a small byte-level GPT, sharded with fully_shard over --world-size CPU processes (gloo), "
@@ -43,6 +50,9 @@ DESCRIPTION = (
 )
 MAX_WORLD_SIZE = 64  # one process per rank on this machine; more is a typo, not a demo
 _PROG = "fsdp2lite demo"
+# configs/demo.yaml of the repository this package lives in; absent from a non-editable install
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+_POLICY = ("policy", "policy_source")  # DemoConfig fields that come from --config, not from one flag each
 
 
 # ---- the corpus: simple English sentences from word lists, the same on every rank ----------------
@@ -110,6 +120,8 @@ class DemoConfig:
     batch: int  # samples per rank per step
     lr: float  # AdamW learning rate
     seed: int  # model init (same on every rank) and batch sampling (different per rank)
+    policy: FSDPConfig  # how the model is sharded (validated, planned against the model)
+    policy_source: str  # where the policy came from, for the header line
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -132,31 +144,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=8, help="samples per rank per step (default 8)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help="YAML policy file (default: the repository's configs/demo.yaml, or the same policy built in)",
+    )
+
+
+def builtin_policy() -> FSDPConfig:
+    """What configs/demo.yaml says, for installs without the repository: one group per Block."""
+    return FSDPConfig(wrap=[WrapRule(match=Match.model_validate({"class": "Block"}))])
+
+
+def load_policy(path: str | None) -> tuple[FSDPConfig, str]:
+    """The policy and where it came from: ``path``, else configs/demo.yaml, else the built-in one."""
+    if path is not None:
+        return FSDPConfig.from_yaml(path), path
+    if not DEFAULT_CONFIG_PATH.is_file():
+        return builtin_policy(), f"built-in (one group per Block; {DEFAULT_CONFIG_PATH} not found)"
+    return FSDPConfig.from_yaml(DEFAULT_CONFIG_PATH), _display_path(DEFAULT_CONFIG_PATH)
+
+
+def _display_path(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    """Build the config, raising ``UsageError`` naming the flag for combinations that cannot run."""
-    cfg = DemoConfig(**{field.name: getattr(args, field.name) for field in fields(DemoConfig)})
-    if cfg.world_size > MAX_WORLD_SIZE:
+    """Build the config, raising ``UsageError`` naming the flag for combinations that cannot run and
+    ``ConfigError`` for a policy that is invalid or does not fit the model."""
+    if args.world_size > MAX_WORLD_SIZE:
         raise UsageError(
-            f"argument --world-size: at most {MAX_WORLD_SIZE} ranks on one machine, got {cfg.world_size}",
+            f"argument --world-size: at most {MAX_WORLD_SIZE} ranks on one machine, got {args.world_size}",
             _PROG,
         )
-    if cfg.d_model % cfg.heads:
-        raise UsageError(f"argument --d-model: must be divisible by --heads ({cfg.heads}), got {cfg.d_model}", _PROG)
+    if args.d_model % args.heads:
+        raise UsageError(f"argument --d-model: must be divisible by --heads ({args.heads}), got {args.d_model}", _PROG)
     corpus_bytes = len(make_text().encode("utf-8"))
-    if cfg.seq_len >= corpus_bytes:
+    if args.seq_len >= corpus_bytes:
         raise UsageError(
-            f"argument --seq-len: must be below the corpus size ({corpus_bytes} bytes), got {cfg.seq_len}",
+            f"argument --seq-len: must be below the corpus size ({corpus_bytes} bytes), got {args.seq_len}",
             _PROG,
         )
+    policy, policy_source = load_policy(args.config)
+    flags = {field.name: getattr(args, field.name) for field in fields(DemoConfig) if field.name not in _POLICY}
+    cfg = DemoConfig(**flags, policy=policy, policy_source=policy_source)
+    _check_policy(cfg)
     return cfg
+
+
+def _check_policy(cfg: DemoConfig) -> None:
+    """The policy's mesh fits ``--world-size`` and each of its rules matches the demo model."""
+    try:
+        cfg.policy.mesh.resolve(cfg.world_size)
+    except ValueError as exc:
+        raise UsageError(f"argument --world-size: {exc} (mesh of {cfg.policy_source})", _PROG) from None
+    with torch.device("meta"):  # shapes only: planning needs no parameter memory
+        model = GPT(cfg.model_config())
+    plan = plan_config(model, cfg.policy)
+    if plan.problems:
+        raise ConfigError(f"{cfg.policy_source} applied to the demo GPT", plan.problems)
 
 
 # ---- launching the ranks ------------------------------------------------------------------------
 def run_demo(args: argparse.Namespace) -> int:
     """Validate, spawn the ranks and wait; 0 on success, 1 (with the failing rank's error) if not."""
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        Console(stderr=True).print(problems_table(f"{_PROG}: {exc.source}", exc.problems))
+        return USAGE_EXIT_CODE
     fd, init_file = tempfile.mkstemp(prefix="fsdp2lite_demo_pg_")
     os.close(fd)
     os.unlink(init_file)  # FileStore wants a path it can create itself
@@ -221,7 +282,7 @@ def _train(rank: int, cfg: DemoConfig) -> None:
     """Build and shard the model, train ``cfg.steps`` steps, then report (rank 0 prints)."""
     torch.manual_seed(cfg.seed)  # every rank builds the same initial model
     model = GPT(cfg.model_config())
-    shard_gpt(model)
+    apply_config(model, cfg.policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     data = encode_text(make_text())  # (corpus_bytes,)
     tokens_per_step = cfg.world_size * cfg.batch * cfg.seq_len
@@ -282,9 +343,9 @@ class _Display:
     def __enter__(self) -> _Display:
         cfg = self.cfg
         self.progress.console.print(
-            f"fsdp2lite demo: {cfg.world_size} ranks (gloo, CPU); GPT d_model={cfg.d_model} "
-            f"layers={cfg.layers} heads={cfg.heads}; seq_len={cfg.seq_len} batch={cfg.batch}/rank; "
-            f"AdamW lr={cfg.lr:g}; seed={cfg.seed}",
+            f"fsdp2lite demo: {cfg.world_size} ranks (gloo, CPU); config {escape(cfg.policy_source)}; "
+            f"GPT d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads}; "
+            f"seq_len={cfg.seq_len} batch={cfg.batch}/rank; AdamW lr={cfg.lr:g}; seed={cfg.seed}",
             soft_wrap=True,  # one line even when piped (80 columns)
         )
         self.progress.start()

@@ -103,3 +103,8 @@ def shard_gpt(model: GPT, mesh: object | None = None, **kwargs: object) -> GPT:
         fully_shard(block, mesh, **kwargs)  # type: ignore[arg-type]
     fully_shard(model, mesh, **kwargs)  # type: ignore[arg-type]
     return model
+
+
+def gpt_small() -> GPT:
+    """The default ``GPTConfig`` model, as a no-argument factory: ``--model fsdp2lite.models:gpt_small``."""
+    return GPT(GPTConfig())

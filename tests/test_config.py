@@ -196,3 +196,22 @@ def run(rank: int, ws: int) -> None:
 
 def test_apply_config_on_two_ranks() -> None:
     spawn(run, 2)
+
+
+def test_ties_across_sibling_groups_are_refused() -> None:
+    """tok_emb and head share one Parameter: two rules putting them in two groups would untie them."""
+    config = fl.FSDPConfig(wrap=[WrapRule(match=Match(path="head")), WrapRule(match=Match(path="tok_emb"))])
+    plan = fl.plan_config(tiny_gpt(), config)
+    assert [p.location for p in plan.refused] == ["tok_emb.weight"]
+    assert "tied to a parameter that group 'head' already owns" in plan.refused[0].message
+    with pytest.raises(fl.ConfigError, match="tok_emb.weight: tied"):
+        fl.apply_config(tiny_gpt(), config, mesh=object())
+    grouped = fl.FSDPConfig(wrap=[WrapRule(match=Match(path=["head", "tok_emb"]), group=True)])
+    assert not fl.plan_config(tiny_gpt(), grouped).refused
+
+
+def test_binary_file(tmp_path: Path) -> None:
+    path = tmp_path / "weights.yaml"
+    path.write_bytes(b"\x80\x81\xfe\xff" * 8)
+    with pytest.raises(fl.ConfigError, match="not a text file"):
+        fl.FSDPConfig.from_yaml(path)
