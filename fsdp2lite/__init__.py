@@ -12,6 +12,7 @@ from .api import FSDPModule, UnshardHandle, fully_shard
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .mesh import init_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .trace import record_trace
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,5 @@ __all__ = [
     "fully_shard",
     "init_mesh",
     "plan_config",
+    "record_trace",
 ]

@@ -90,6 +90,34 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups as soon as this module's group is unsharded in forward
+        (replaces the recorded-order prefetch for this module)."""
+        self._own_group("set_modules_to_forward_prefetch").forward_prefetch = _prefetch_groups(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups as soon as this module's group is unsharded in backward
+        (replaces the reverse-order prefetch for this module)."""
+        self._own_group("set_modules_to_backward_prefetch").backward_prefetch = _prefetch_groups(modules)
+
+    def set_forward_prefetch_depth(self, depth: int) -> None:
+        """On the root: how many groups forward all-gathers ahead in the recorded order (default 1 on
+        CPU, 0 on CUDA; see docs/design.md)."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"forward prefetch depth must be an int >= 0, got {depth!r}")
+        state = self._fsdp_state
+        if state.is_root is False:
+            raise ValueError(f"set_forward_prefetch_depth is a root setting; {type(self).__name__} is not the root")
+        state.forward_prefetch_depth = depth
+        if state.root_context is not None:
+            state.root_context.forward_prefetch_depth = depth
+
+    def _own_group(self, method: str) -> FSDPParamGroup:
+        group = self._fsdp_state.group
+        if group is None:
+            raise ValueError(f"{method}: {type(self).__name__} owns no parameters, so it has no group to prefetch from")
+        return group
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
@@ -125,6 +153,19 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reset_sharded_params()
         return result
+
+
+def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
+    groups = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"prefetch targets must be modules fully_shard was applied to, got {type(module).__name__}")
+        if module._fsdp_state.group is None:
+            raise ValueError(f"{type(module).__name__} owns no parameters: nothing to prefetch")
+        groups.append(module._fsdp_state.group)
+    return groups
 
 
 @functools.cache

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_validate(commands)
     _add_explain(commands)
     _add_schema(commands)
+    _add_trace(commands)
     return parser
 
 
@@ -132,6 +133,16 @@ def _add_schema(commands: argparse._SubParsersAction) -> None:
     )
     schema_doc.add_arguments(parser)
     parser.set_defaults(run=schema_doc.run)
+
+
+def _add_trace(commands: argparse._SubParsersAction) -> None:
+    from . import trace_cli
+
+    parser = commands.add_parser(
+        "trace", help="read traces saved by fsdp2lite.record_trace", description=trace_cli.DESCRIPTION
+    )
+    trace_cli.add_arguments(parser)
+    parser.set_defaults(run=trace_cli.run)
 
 
 def main(argv: list[str] | None = None) -> int:

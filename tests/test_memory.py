@@ -1,6 +1,6 @@
 """Peak memory during forward, measured with torch's MemTracker on CPU, against a closed-form budget.
 
-Budget: S + R + 2B + A, where (bytes, per rank)
+Budget: S + R + max(2, d + 1) B + A for forward prefetch depth d (default 1 on CPU), where (bytes, per rank)
     S = the sharded model (padded local shards),
     R = the root group's unsharded parameters (kept through forward),
     B = the largest block's unsharded parameters (its all-gather output and its unsharded copy
@@ -69,13 +69,15 @@ def forward_peak(model: nn.Module, x: torch.Tensor) -> int:
     return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
 
 
-def budget(model: Net, x: torch.Tensor, ws: int) -> int:
+def budget(model: Net, x: torch.Tensor, ws: int, depth: int) -> int:
+    """S + R + max(2, depth + 1) * B + A: with forward prefetch depth d, the group computing plus d
+    all-gathers in flight; without prefetch, a group's all-gather output and its unsharded copy."""
     params = list(model.parameters())
     root = [model.inp.weight, model.inp.bias, model.out.weight, model.out.bias]
     s, r = sharded_bytes(params, ws), nbytes(root)
     b = max(nbytes(list(block.parameters())) for block in model.blocks)
     a = forward_peak(model, x) - nbytes(params)  # activations of the unsharded forward
-    return s + r + 2 * b + a
+    return s + r + max(2, depth + 1) * b + a
 
 
 def trained_peak(model: nn.Module, x: torch.Tensor) -> int:
@@ -89,21 +91,25 @@ def run(rank: int, ws: int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     x = torch.randn(2, D)
-    torch.manual_seed(0)
-    ours = Net()
-    limit = budget(ours, x, ws)
-    for block in ours.blocks:
-        fl.fully_shard(block)
-    fl.fully_shard(ours)
-    our_peak = trained_peak(ours, x)
-    assert our_peak <= limit, f"fsdp2lite forward peak {our_peak} > budget S+R+2B+A = {limit}"
+    peaks = {}
+    for depth in (0, 1, 2):
+        torch.manual_seed(0)
+        ours = Net()
+        limit = budget(ours, x, ws, depth)
+        for block in ours.blocks:
+            fl.fully_shard(block)
+        fl.fully_shard(ours)
+        ours.set_forward_prefetch_depth(depth)
+        peaks[depth] = trained_peak(ours, x)
+        assert peaks[depth] <= limit, f"depth {depth}: forward peak {peaks[depth]} > budget {limit}"
+    assert peaks[2] > peaks[1], "depth 2 holds one more block in flight"
 
     theirs = Net()
     for block in theirs.blocks:
         torch_fully_shard(block)
     torch_fully_shard(theirs)
     their_peak = trained_peak(theirs, x)
-    assert our_peak <= their_peak, f"fsdp2lite {our_peak} > torch fully_shard {their_peak}"
+    assert peaks[1] <= their_peak, f"fsdp2lite (default prefetch) {peaks[1]} > torch fully_shard {their_peak}"
     dist.barrier()
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .comm import Comm
 from .param import FSDPParam, padding_views, rank_major_pairs
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
@@ -42,11 +43,12 @@ _all_reduce = dist.all_reduce
 
 
 class AllGatherResult(NamedTuple):
-    """An all-gather in flight, holding its buffer until the work is waited on."""
+    """An all-gather in flight, holding its buffer until the consumer has waited on it."""
 
     all_gather_output: torch.Tensor  # (group_size * group_numel,)
     all_gather_input: torch.Tensor  # (group_numel,): this rank's slot of all_gather_output
-    work: dist.Work | None
+    work: dist.Work | None  # CPU: wait on it
+    event: torch.cuda.Event | None  # CUDA: the compute stream waits on it
 
 
 class ReduceScatterResult(NamedTuple):
@@ -55,7 +57,9 @@ class ReduceScatterResult(NamedTuple):
     reduce_scatter_output: torch.Tensor  # (group_numel,)
     reduce_scatter_input: torch.Tensor  # (shard_size * group_numel,)
     params: tuple[FSDPParam, ...]
+    grads: tuple[torch.Tensor, ...]  # the unsharded grads it reads, held until it is waited on
     work: dist.Work | None
+    event: torch.cuda.Event | None
 
 
 def _offsets(numels: list[int]) -> list[int]:
@@ -70,7 +74,12 @@ def _row_numel(param: FSDPParam) -> int:
 
 
 def issue_all_gather(
-    sources: list[torch.Tensor], group: dist.ProcessGroup, group_size: int, group_rank: int, dtype: torch.dtype
+    sources: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    group_size: int,
+    group_rank: int,
+    dtype: torch.dtype,
+    comm: Comm,
 ) -> AllGatherResult:
     """Copy ``sources`` (this rank's flat padded shards) into this rank's slot of one flat buffer and
     start one in-place all-gather over ``group``.
@@ -79,18 +88,20 @@ def issue_all_gather(
     all-gather allocates the group's bytes once: [Note: buffer lifetime].
     """
     offsets = _offsets([source.numel() for source in sources])
-    all_gather_output = torch.empty(group_size * offsets[-1], dtype=dtype, device=sources[0].device)
-    all_gather_input = all_gather_output.narrow(0, group_rank * offsets[-1], offsets[-1])  # (group_numel,)
-    for source, start, end in zip(sources, offsets, offsets[1:]):
-        all_gather_input[start:end].copy_(source, non_blocking=True)  # copy-in, cast in one pass
-    work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=True)
-    return AllGatherResult(all_gather_output, all_gather_input, work)
+    with comm.on("all_gather_copy_in"):
+        all_gather_output = torch.empty(group_size * offsets[-1], dtype=dtype, device=comm.device)
+        all_gather_input = all_gather_output.narrow(0, group_rank * offsets[-1], offsets[-1])  # (group_numel,)
+        for source, start, end in zip(sources, offsets, offsets[1:]):
+            all_gather_input[start:end].copy_(source, non_blocking=True)  # copy-in, cast in one pass
+    copied_in = comm.record("all_gather_copy_in")
+    with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
+        work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
+    return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
 
 
-def wait_all_gather(result: AllGatherResult) -> torch.Tensor:
-    """Wait for the all-gather and hand back its output."""
-    if result.work is not None:
-        result.work.wait()  # the output is complete only after this
+def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
+    """Make the compute side wait for the all-gather and hand back its output."""
+    comm.wait(result.work, result.event)  # the output is complete (CPU) or ordered (CUDA) after this
     return result.all_gather_output
 
 
@@ -128,27 +139,33 @@ def issue_reduce_scatter(
     group: dist.ProcessGroup,
     shard_size: int,
     dtype: torch.dtype,
+    comm: Comm,
 ) -> ReduceScatterResult:
     """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum)."""
     offsets = _offsets([p.padded_numel for p in params])
-    device = grads[0].device
-    reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=device)
-    rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
-    for param, grad, start, end in zip(params, grads, offsets, offsets[1:]):
-        block = rank_major[:, start:end]
-        for full_part, scattered_part in rank_major_pairs(grad, block, param.padded_rows):
-            scattered_part.copy_(full_part)  # copy-in, cast in one pass
-        for pad in padding_views(block, grad.shape[0], param.padded_rows):
-            pad.zero_()
-    reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=device)
-    work = _reduce_scatter_flat(
-        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=True
-    )
-    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, work)
+    with comm.on("reduce_scatter"):  # after the backward kernels that wrote the grads
+        reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=comm.device)
+        rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
+        for param, grad, start, end in zip(params, grads, offsets, offsets[1:]):
+            block = rank_major[:, start:end]
+            for full_part, scattered_part in rank_major_pairs(grad, block, param.padded_rows):
+                scattered_part.copy_(full_part)  # copy-in, cast in one pass
+            for pad in padding_views(block, grad.shape[0], param.padded_rows):
+                pad.zero_()
+        reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=comm.device)
+        work = _reduce_scatter_flat(
+            reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=comm.async_work
+        )
+    event = comm.record("reduce_scatter")
+    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, grads, work, event)
 
 
 def finish_reduce_scatter(
-    result: ReduceScatterResult, divide_factor: float, replicate_group: dist.ProcessGroup | None, all_reduce: bool
+    result: ReduceScatterResult,
+    divide_factor: float,
+    replicate_group: dist.ProcessGroup | None,
+    all_reduce: bool,
+    comm: Comm,
 ) -> None:
     """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas; average; accumulate into
     each sharded ``.grad``.
@@ -158,22 +175,27 @@ def finish_reduce_scatter(
     Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over
     its replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean.
     """
-    if result.work is not None:
-        result.work.wait()  # the output is complete only after this
     output = result.reduce_scatter_output
     slots = _slots(output, result.params)
-    if replicate_group is not None:
-        if not all_reduce:
-            for param, slot in slots:
-                param.keep_partial_reduced_grad(slot)
-            return
+    comm.wait(result.work, None)  # CPU: the output is written; CUDA orders through events below
+    event = result.event
+    if replicate_group is not None and all_reduce:
+        with comm.after("all_reduce", event):  # the all-reduce reads the reduce-scatter output
+            folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
+            work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
+        comm.wait(work, None)
+        comm.retire("all_reduce", folded)
+        event = comm.record("all_reduce")
+    comm.wait(None, event)  # CUDA: the compute stream reads the reduced output from here on
+    if replicate_group is not None and not all_reduce:
         for param, slot in slots:
-            param.add_partial_reduced_grad(slot)
-        _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group)  # blocking: the sum is used next
-    if divide_factor != 1.0:
-        output.div_(divide_factor)
-    for param, slot in slots:
-        param.accumulate_sharded_grad(slot)
+            param.keep_partial_reduced_grad(slot)
+    else:
+        if divide_factor != 1.0:
+            output.div_(divide_factor)
+        for param, slot in slots:
+            param.accumulate_sharded_grad(slot)
+    comm.retire("reduce_scatter", result)
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

@@ -13,6 +13,7 @@ for (shard_size / k) times the sharded bytes held between forward and backward.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ from .collectives import (
     post_forward_shards,
     wait_all_gather,
 )
+from .comm import Comm
 from .param import FSDPParam
 from .states import ShardedState, TrainingState
 
@@ -80,6 +82,9 @@ class FSDPParamGroup:
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
     post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, rows) while resharded to k
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
+    comm: Comm  # device primitives and the trace recorder; the root's, shared, after lazy init
+    forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
+    backward_prefetch: list[FSDPParamGroup] | None
 
     def __init__(
         self,
@@ -104,6 +109,9 @@ class FSDPParamGroup:
         self.pending_unshard = None
         self.post_forward_buffer = None
         self.reduce_scatter_result = None
+        self.comm = Comm(mesh_info.device)
+        self.forward_prefetch = None
+        self.backward_prefetch = None
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
@@ -137,13 +145,14 @@ class FSDPParamGroup:
             if sub is None:
                 raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
             buffer, rows = self.post_forward_buffer
-            result = issue_all_gather([buffer], sub.group, sub.size, sub.rank, dtype)
+            result = issue_all_gather([buffer], sub.group, sub.size, sub.rank, dtype, self.comm)
             self.pending_unshard = PendingUnshard(result, sub.size, rows)
-            return
-        info = self.mesh_info
-        sources = [p.padded_shard.view(-1) for p in self.params]
-        result = issue_all_gather(sources, info.shard_group, info.shard_size, info.shard_rank, dtype)
-        self.pending_unshard = PendingUnshard(result, info.shard_size, [p.padded_rows for p in self.params])
+        else:
+            info = self.mesh_info
+            sources = [p.padded_shard.view(-1) for p in self.params]
+            result = issue_all_gather(sources, info.shard_group, info.shard_size, info.shard_rank, dtype, self.comm)
+            self.pending_unshard = PendingUnshard(result, info.shard_size, [p.padded_rows for p in self.params])
+        self.trace("all_gather_issue")
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""
@@ -151,8 +160,10 @@ class FSDPParamGroup:
         if pending is None:
             return
         self.pending_unshard = None
-        output = wait_all_gather(pending.result)
+        with self.trace_span("all_gather_wait"):
+            output = wait_all_gather(pending.result, self.comm)
         copy_out_all_gather(output, self.params, pending.group_size, pending.padded_rows)
+        self.comm.retire("all_gather_copy_in", pending.result)  # [Note: CUDA buffer lifetime]
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
             param.to_unsharded()
@@ -167,6 +178,7 @@ class FSDPParamGroup:
         for param in self.params:
             param.to_sharded()
         self.sharded_state = ShardedState.SHARDED
+        self.trace("reshard")
 
     def reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward group, then free the unsharded parameters."""
@@ -179,6 +191,7 @@ class FSDPParamGroup:
             param.to_sharded()
         self.post_forward_buffer = buffer
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        self.trace("reshard")
 
     # ---- phases ---------------------------------------------------------------------------
     def pre_forward(self) -> None:
@@ -222,8 +235,9 @@ class FSDPParamGroup:
         info = self.mesh_info
         dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
         self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), tuple(grads), info.shard_group, info.shard_size, dtype
+            tuple(params), tuple(grads), info.shard_group, info.shard_size, dtype, self.comm
         )
+        self.trace("reduce_scatter_issue")
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter in flight, if any, all-reduce for HSDP, accumulate into grads."""
@@ -233,7 +247,8 @@ class FSDPParamGroup:
         self.reduce_scatter_result = None  # frees the flat buffers once applied: [Note: buffer lifetime]
         info = self.mesh_info
         factor = self.gradient_divide_factor or float(info.data_parallel_size)
-        finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce)
+        with self.trace_span("reduce_scatter_wait"):
+            finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce, self.comm)
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what autograd never handed us, apply reductions, go idle."""
@@ -262,3 +277,15 @@ class FSDPParamGroup:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    # ---- tracing (free when off) ----------------------------------------------------------
+    def trace(self, event: str) -> None:
+        recorder = self.comm.recorder
+        if recorder is not None:
+            recorder.instant(event, self.name or "<root>", self.training_state.name)
+
+    def trace_span(self, event: str) -> AbstractContextManager[None]:
+        recorder = self.comm.recorder
+        if recorder is None:
+            return nullcontext()
+        return recorder.span(event, self.name or "<root>", self.training_state.name)

@@ -289,11 +289,15 @@ class FSDPParam:
         else:
             self.partial_reduced_grad.add_(padded_grad)
 
-    def add_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
-        """Before the all-reduce: fold the kept replica-local sums into this reduce-scatter's slot."""
-        if self.partial_reduced_grad is not None:
-            padded_grad.add_(self.partial_reduced_grad)
-            self.partial_reduced_grad = None
+    def add_partial_reduced_grad(self, padded_grad: torch.Tensor) -> torch.Tensor | None:
+        """Before the all-reduce: fold the kept replica-local sums into this reduce-scatter's slot.
+
+        Returns the folded tensor (or None) so the caller can keep it alive while a stream reads it.
+        """
+        partial, self.partial_reduced_grad = self.partial_reduced_grad, None
+        if partial is not None:
+            padded_grad.add_(partial)
+        return partial
 
     def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
         """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``.

@@ -16,6 +16,16 @@ need the saved tensors). The forward hooks then do nothing: the group is already
 stay so for its backward. The recompute may also stop early, skipping post-forward hooks, so the
 end-of-backward callback clears the per-forward bookkeeping.
 
+[Note: prefetch]
+Forward: once a group is unsharded (its copy-out done, its all-gather buffer freed), the all-gathers of
+the next ``forward_prefetch_depth`` groups in the recorded forward order are issued, so they run while
+this group computes. Default depth: 1 on CPU (nothing else would start them early), 0 on CUDA (the
+host runs ahead of the GPU, so the next pre-forward issues its all-gather early anyway). Backward: the
+pre-backward of a group issues the all-gather of the group before it in forward order. A group's
+reduce-scatter is waited only when the next group issues its own, so it overlaps the backward compute
+in between. Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather
+buffers, i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
+
 [Note: group pass]
 A call on a list of modules makes one group, used in one pass: the first of its modules to start
 forward unshards it and routes that module's inputs through _PostBackward; the group's post-forward
@@ -34,27 +44,39 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..policies import MixedPrecisionPolicy
+from .comm import Comm
 from .group import FSDPParamGroup
 from .states import TrainingState
+from .trace import TraceRecorder
 
 
 class RootContext:
     """State shared by every group under one root; owned by the root's FSDPState."""
 
     states: list[FSDPState]  # root first, then the others in module order
+    comm: Comm | None  # shared by every group; None when no group owns parameters
     forward_order: list[FSDPParamGroup]  # groups in the order of the first forward
     order_recorded: bool
     final_callback_queued: bool
-
+    forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
+    pending_reduce_scatter: FSDPParamGroup | None  # issued last, waited when the next one is issued
     offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
 
-    def __init__(self, states: list[FSDPState]) -> None:
+    def __init__(self, states: list[FSDPState], forward_prefetch_depth: int | None) -> None:
         self.states = states
+        groups = self.groups()
+        self.comm = Comm(groups[0].mesh_info.device) if groups else None
+        for group in groups:
+            group.comm = self.comm  # type: ignore[assignment]
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False
+        on_cpu = self.comm is None or self.comm.async_work
+        # CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly.
+        self.forward_prefetch_depth = (1 if on_cpu else 0) if forward_prefetch_depth is None else forward_prefetch_depth
+        self.pending_reduce_scatter = None
         self.offloads_from_cuda = any(
-            p.offload_to_cpu and p.device.type == "cuda" for group in self.groups() for p in group.params
+            p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
         )
 
     def groups(self) -> list[FSDPParamGroup]:
@@ -66,6 +88,38 @@ class RootContext:
         for state in self.states[1:]:
             # Left unsharded, with no pre-backward hook: backward needs the parameters as they are.
             state.pending_forward.clear()
+
+    # ---- the schedule ------------------------------------------------------------------------
+    def prefetch_forward(self, group: FSDPParamGroup) -> None:
+        """Start the all-gathers of the groups that run next in forward (after ``group`` is unsharded)."""
+        targets = group.forward_prefetch
+        if targets is None:
+            targets = self._neighbours(group, self.forward_prefetch_depth, step=1)
+        for target in targets:
+            target.unshard()  # issue only: waited in its own pre-forward
+
+    def prefetch_backward(self, group: FSDPParamGroup) -> None:
+        """Start the all-gather of the group whose backward runs next (reverse forward order)."""
+        targets = group.backward_prefetch
+        if targets is None:
+            targets = self._neighbours(group, 1, step=-1)
+        for target in targets:
+            if target.training_state is not TrainingState.POST_BACKWARD:
+                target.unshard()
+
+    def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> list[FSDPParamGroup]:
+        if not self.order_recorded or group not in self.forward_order or depth < 1:
+            return []
+        index = self.forward_order.index(group)
+        positions = (index + step * k for k in range(1, depth + 1))
+        return [self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order)]
+
+    def queue_reduce_scatter(self, group: FSDPParamGroup) -> None:
+        """After ``group`` issued its reduce-scatter: finish the previous one, which overlapped the
+        backward compute in between, and keep this one in flight."""
+        previous, self.pending_reduce_scatter = self.pending_reduce_scatter, group
+        if previous is not None and previous is not group:
+            previous.finish_reduce_scatter()
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -79,6 +133,9 @@ class RootContext:
         # reduce-scatter issued here is issued in the same order on all ranks.
         for group in reversed(self.groups()):
             group.finalize_backward()
+        self.pending_reduce_scatter = None
+        if self.comm is not None:
+            self.comm.synchronize_side_streams()
         if self.offloads_from_cuda:
             torch.cuda.current_stream().synchronize()  # host gradients complete before optimizer.step()
         for state in self.states:
@@ -95,6 +152,7 @@ class RootContext:
             group.reset(drop_unsharded_grads=in_backward)
         for state in self.states:
             state.pending_forward.clear()
+        self.pending_reduce_scatter = None
         self.final_callback_queued = False
 
 
@@ -102,14 +160,13 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a group's forward inputs; its backward runs once the group's grads are done."""
 
     @staticmethod
-    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        if ctx.group.needs_post_backward:
-            ctx.group.post_backward()
+        ctx.state.post_backward()
         return (None, *grads)
 
 
@@ -122,6 +179,8 @@ class FSDPState:
     is_root: bool | None  # None until the first forward decides
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
+    forward_prefetch_depth: int | None  # as root: None = the device's default ([Note: prefetch])
+    trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
@@ -132,6 +191,8 @@ class FSDPState:
         self.is_root = None
         self.root_context = None
         self.pending_forward = set()
+        self.forward_prefetch_depth = None
+        self.trace_recorder = None
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
@@ -150,7 +211,9 @@ class FSDPState:
             if state is not self and state not in states:
                 states.append(state)
         _check_one_mesh(states, names)
-        context = RootContext(states)
+        context = RootContext(states, self.forward_prefetch_depth)
+        if context.comm is not None:
+            context.comm.recorder = self.trace_recorder
         for state in states:
             state.is_root = state is self
             state.root_context = context
@@ -195,8 +258,11 @@ class FSDPState:
         if context is not None and not context.order_recorded and group not in context.forward_order:
             context.forward_order.append(group)
         group.pre_forward()
+        if context is not None:
+            context.prefetch_forward(group)  # after this group's copy-out freed its buffer
+        group.trace("forward")
         if torch.is_grad_enabled():
-            return _attach_post_backward(group, args, kwargs)
+            return _attach_post_backward(self, args, kwargs)
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -231,17 +297,29 @@ class FSDPState:
             self.root_context.queue_final_callback()
         if self.group is not None:
             self.group.pre_backward()
+            if self.root_context is not None:
+                self.root_context.prefetch_backward(self.group)
+            self.group.trace("backward")
+
+    def post_backward(self) -> None:
+        """The group's gradients are all computed: reshard, reduce-scatter, pipeline the previous one."""
+        group = self.group
+        if group is None or not group.needs_post_backward:
+            return
+        group.post_backward()
+        if self.root_context is not None:
+            self.root_context.queue_reduce_scatter(group)
 
 
 def _attach_post_backward(
-    group: FSDPParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Route the inputs that need grad through ``_PostBackward`` (others need no node)."""
     flat, spec = tree_flatten((args, kwargs))
     indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not indices:
         return args, kwargs  # the end-of-backward callback does this group's post-backward
-    outputs = _PostBackward.apply(group, *(flat[i] for i in indices))
+    outputs = _PostBackward.apply(state, *(flat[i] for i in indices))
     for i, out in zip(indices, outputs):
         flat[i] = out
     new_args, new_kwargs = tree_unflatten(flat, spec)

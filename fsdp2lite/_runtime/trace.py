@@ -1,0 +1,87 @@
+"""The schedule recorder: what the runtime did, in order, with times. Off by default and free when off
+(every call site checks ``comm.recorder is not None``).
+
+Events, per group (``name`` of the event):
+    all_gather_issue      instant   an all-gather was started (own unshard or a prefetch)
+    all_gather_wait       span      the compute side waited for that all-gather: exposed communication
+    forward / backward    instant   the group's compute is about to start (after its prefetches)
+    reshard               instant   unsharded parameters freed
+    reduce_scatter_issue  instant   gradients handed to the reduce-scatter
+    reduce_scatter_wait   span      waited for the reduce-scatter (and, HSDP, its all-reduce)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SPAN_EVENTS = ("all_gather_wait", "reduce_scatter_wait")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    name: str
+    group: str  # module path of the group; "<root>" for the root
+    state: str  # the group's TrainingState when it happened
+    start_s: float  # seconds since the recorder started
+    duration_s: float  # 0 for instants
+
+
+class TraceRecorder:
+    """Collects ``TraceEvent``s; exports Chrome trace JSON (Perfetto opens it)."""
+
+    events: list[TraceEvent]
+    rank: int
+
+    def __init__(self, rank: int = 0) -> None:
+        self.events = []
+        self.rank = rank
+        self._t0 = time.perf_counter()
+
+    def instant(self, name: str, group: str, state: str) -> None:
+        self.events.append(TraceEvent(name, group, state, time.perf_counter() - self._t0, 0.0))
+
+    @contextmanager
+    def span(self, name: str, group: str, state: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.events.append(TraceEvent(name, group, state, start - self._t0, end - start))
+
+    def names(self, group: str | None = None) -> list[str]:
+        """Event names in order, optionally of one group: handy for asserting a schedule."""
+        return [e.name for e in self.events if group is None or e.group == group]
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event format: spans as complete events ("X"), the rest as instants ("i")."""
+        trace = []
+        for event in self.events:
+            entry: dict[str, Any] = {
+                "name": event.name,
+                "cat": "fsdp2lite",
+                "ts": event.start_s * 1e6,
+                "pid": self.rank,
+                "tid": event.group,
+                "args": {"group": event.group, "state": event.state},
+            }
+            if event.name in SPAN_EVENTS:
+                entry.update(ph="X", dur=event.duration_s * 1e6)
+            else:
+                entry.update(ph="i", s="t")
+            trace.append(entry)
+        return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"fsdp2lite_events": len(trace)}}
+
+    def save_chrome_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.chrome_trace()))
+        return path
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [asdict(event) for event in self.events]

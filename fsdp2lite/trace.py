@@ -1,0 +1,106 @@
+"""Recording what the runtime does: ``record_trace(model)``, Chrome trace export, and summaries.
+
+    with fl.record_trace(model) as trace:
+        loss = model(x).sum(); loss.backward()
+    trace.save_chrome_trace("step.json")          # open in https://ui.perfetto.dev
+    print(summarize(trace.as_dicts()))             # or: fsdp2lite trace summarize step.json
+
+Exposed communication is time the compute side spent waiting on a collective (all-gather waits,
+reduce-scatter waits including the HSDP all-reduce): what prefetching and overlap failed to hide.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._runtime.trace import SPAN_EVENTS, TraceEvent, TraceRecorder
+
+__all__ = ["GroupSummary", "TraceEvent", "TraceRecorder", "load_events", "record_trace", "summarize"]
+
+
+@contextmanager
+def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
+    """Record the schedule of ``model`` (a root FSDPModule) while the block runs."""
+    from .api import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"record_trace needs a module fully_shard was applied to, got {type(model).__name__}")
+    state = model._fsdp_state
+    if state.is_root is False:
+        raise ValueError(f"record_trace: {type(model).__name__} is not the root; pass the outermost FSDP module")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    recorder = TraceRecorder(rank)
+    state.trace_recorder = recorder
+    if state.root_context is not None and state.root_context.comm is not None:
+        state.root_context.comm.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        state.trace_recorder = None
+        if state.root_context is not None and state.root_context.comm is not None:
+            state.root_context.comm.recorder = None
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """Per group: exposed communication (ms) and event counts."""
+
+    group: str
+    all_gather_wait_ms: float
+    reduce_scatter_wait_ms: float
+    all_gathers: int
+    reduce_scatters: int
+
+    @property
+    def exposed_ms(self) -> float:
+        return self.all_gather_wait_ms + self.reduce_scatter_wait_ms
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    """Events from a Chrome trace written by ``save_chrome_trace``; raises ValueError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise ValueError(f"{path}: not a Chrome trace (no 'traceEvents' list); write one with save_chrome_trace")
+    events = []
+    for entry in data["traceEvents"]:
+        if isinstance(entry, dict) and entry.get("cat") == "fsdp2lite":
+            events.append(
+                {"name": entry["name"], "group": entry["args"]["group"], "duration_s": entry.get("dur", 0) / 1e6}
+            )
+    return events
+
+
+def summarize(events: list[dict[str, Any]]) -> list[GroupSummary]:
+    """Exposed communication per group, largest first."""
+    waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for event in events:
+        if event["name"] in SPAN_EVENTS:
+            waits[event["group"]][event["name"]] += event["duration_s"] * 1e3
+        counts[event["group"]][event["name"]] += 1
+    rows = [
+        GroupSummary(
+            group,
+            waits[group]["all_gather_wait"],
+            waits[group]["reduce_scatter_wait"],
+            counts[group]["all_gather_issue"],
+            counts[group]["reduce_scatter_issue"],
+        )
+        for group in counts
+    ]
+    return sorted(rows, key=lambda row: -row.exposed_ms)

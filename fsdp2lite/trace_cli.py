@@ -1,0 +1,55 @@
+"""``fsdp2lite trace summarize FILE``: exposed communication per group from a saved Chrome trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .trace import load_events, summarize
+
+DESCRIPTION = (
+    "Summarize a trace saved with fsdp2lite.record_trace(...).save_chrome_trace(PATH): per group, the time the "
+    "compute side waited on all-gathers and reduce-scatters (exposed communication) and how many were issued."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    summarize_parser = actions.add_parser("summarize", help="exposed communication per group", description=DESCRIPTION)
+    summarize_parser.add_argument("file", help="a Chrome trace JSON written by save_chrome_trace")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        events = load_events(args.file)
+    except ValueError as exc:
+        print(f"fsdp2lite trace: error: {exc}", file=sys.stderr)
+        return 1
+    rows = summarize(events)
+    table = Table(title=f"exposed communication: {args.file}")
+    for column in (
+        "group",
+        "all-gather wait ms",
+        "reduce-scatter wait ms",
+        "exposed ms",
+        "all-gathers",
+        "reduce-scatters",
+    ):
+        table.add_column(column, justify="left" if column == "group" else "right")
+    for row in rows:
+        table.add_row(
+            row.group,
+            f"{row.all_gather_wait_ms:.3f}",
+            f"{row.reduce_scatter_wait_ms:.3f}",
+            f"{row.exposed_ms:.3f}",
+            str(row.all_gathers),
+            str(row.reduce_scatters),
+        )
+    console = Console()
+    console.print(table)
+    total = sum(row.exposed_ms for row in rows)
+    console.print(f"{len(events)} events, {len(rows)} groups, {total:.3f} ms exposed communication in total")
+    return 0

@@ -1,0 +1,221 @@
+"""The schedule: prefetch order in forward and backward, overlap of reduce-scatters, explicit
+prefetch lists, prefetch depth, delay injection (races show up as wrong numbers), trace export."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _dist import spawn
+from _models import UnevenMLP, mlp_batch, mlp_loss
+from _parity import train_and_compare
+
+import fsdp2lite as fl
+from fsdp2lite._runtime import collectives
+from fsdp2lite.cli import main as cli_main
+
+N_BLOCKS = 3
+FORWARD_ORDER = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def sharded_mlp() -> UnevenMLP:
+    torch.manual_seed(0)
+    model = UnevenMLP(n_blocks=N_BLOCKS)
+    for block in model.blocks:
+        fl.fully_shard(block)
+    fl.fully_shard(model)
+    mlp_loss(model, mlp_batch(0, dist.get_rank())).backward()  # first step records the order
+    return model
+
+
+def traced_step(model: nn.Module, step: int = 1) -> list[tuple[str, str]]:
+    with fl.record_trace(model) as trace:
+        mlp_loss(model, mlp_batch(step, dist.get_rank())).backward()
+    return [(event.name, event.group) for event in trace.events]
+
+
+def position(events: list[tuple[str, str]], name: str, group: str, after: int = 0) -> int:
+    for i, event in enumerate(events[after:], start=after):
+        if event == (name, group):
+            return i
+    raise AssertionError(f"no {name} for {group} after position {after}: {events}")
+
+
+def check_default_order(rank: int, ws: int) -> None:
+    events = traced_step(sharded_mlp())
+    backward_start = position(events, "backward", "<root>")
+    # forward: the next group's all-gather is issued before the current group computes
+    for current, following in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):
+        assert position(events, "all_gather_issue", following) < position(events, "forward", current), events
+    # depth 1: not two ahead
+    assert position(events, "all_gather_issue", "blocks.2") > position(events, "forward", "blocks.0")
+    # backward, in reverse: the previous group's all-gather is issued before the current group's
+    # reduce-scatter is waited on, and that reduce-scatter is waited only after the previous group's
+    # backward compute started (it overlapped it)
+    for current, previous in [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:
+        prefetched = position(events, "all_gather_issue", previous, after=backward_start)
+        waited = position(events, "reduce_scatter_wait", current, after=backward_start)
+        assert prefetched < waited, events
+        assert position(events, "backward", previous, after=backward_start) < waited, events
+    for group in FORWARD_ORDER:  # every group reshards and reduces once
+        assert events.count(("reduce_scatter_issue", group)) == 1, group
+
+
+def check_explicit_prefetch(rank: int, ws: int) -> None:
+    model = sharded_mlp()
+    model.set_modules_to_forward_prefetch([model.blocks[0], model.blocks[1]])
+    model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
+    events = traced_step(model)
+    root_forward = position(events, "forward", "<root>")
+    assert position(events, "all_gather_issue", "blocks.1") < root_forward, events
+    backward_start = position(events, "backward", "<root>")
+    b2 = position(events, "backward", "blocks.2", after=backward_start)
+    assert position(events, "all_gather_issue", "blocks.0", after=backward_start) < b2, events
+
+
+def check_prefetch_depth(rank: int, ws: int) -> None:
+    model = sharded_mlp()
+    model.set_forward_prefetch_depth(0)
+    events = traced_step(model)
+    for group in FORWARD_ORDER[1:]:  # issued in its own pre-forward, right before its wait
+        issue = position(events, "all_gather_issue", group)
+        assert events[issue + 1] == ("all_gather_wait", group), events
+    model.set_forward_prefetch_depth(2)
+    events = traced_step(model, step=2)
+    assert position(events, "all_gather_issue", "blocks.1") < position(events, "forward", "<root>"), events
+
+
+class DelayedCollectives:
+    """Runs every collective on one worker thread (issue order kept), each after a delay; the Work handed
+    back completes only then. Reading a collective's output before waiting on it reads garbage."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.jobs: queue.Queue[tuple[Callable[..., Any], tuple, dict, threading.Event] | None] = queue.Queue()
+        self.worker = threading.Thread(target=self._work, daemon=True)
+        self.worker.start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, args, kwargs, done = job
+            time.sleep(self.delay_s)
+            fn(*args, **{**kwargs, "async_op": False})
+            done.set()
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def delayed(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            done = threading.Event()
+            self.jobs.put((fn, args, kwargs, done))
+            work = _EventWork(done)
+            if not async_op:
+                work.wait()
+                return None
+            return work
+
+        return delayed
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.worker.join()
+
+
+class _EventWork:
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
+
+    def wait(self) -> bool:
+        self.done.wait()
+        return True
+
+
+@contextmanager
+def delayed_collectives(delay_s: float) -> Iterator[None]:
+    names = ("_all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
+    originals = {name: getattr(collectives, name) for name in names}
+    delayer = DelayedCollectives(delay_s)
+    for name, fn in originals.items():
+        setattr(collectives, name, delayer.wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(collectives, name, fn)
+        delayer.close()
+
+
+def check_delay_injection(rank: int, ws: int) -> None:
+    # rank-dependent delays: ranks reach each collective at different times, and outputs arrive late
+    with delayed_collectives(0.002 * (rank + 1)):
+        for reshard in (True, False):
+            torch.manual_seed(0)
+            shard = _shard_blocks(reshard)
+            train_and_compare(
+                UnevenMLP(n_blocks=N_BLOCKS), shard, mlp_batch, mlp_loss, rank, steps=3, label=f"delayed {reshard}"
+            )
+        torch.manual_seed(0)
+        train_and_compare(
+            UnevenMLP(n_blocks=N_BLOCKS),
+            _shard_blocks(None),
+            mlp_batch,
+            mlp_loss,
+            rank,
+            steps=2,
+            microbatches=2,
+            label="delayed accumulation",
+        )
+
+
+def _shard_blocks(reshard: bool | None) -> Callable[[nn.Module], None]:
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fl.fully_shard(block, reshard_after_forward=reshard)
+        fl.fully_shard(model, reshard_after_forward=reshard)
+
+    return shard
+
+
+def check_trace_export(rank: int, ws: int, out_dir: str) -> None:
+    model = sharded_mlp()
+    with fl.record_trace(model) as trace:
+        mlp_loss(model, mlp_batch(1, rank)).backward()
+    path = trace.save_chrome_trace(Path(out_dir) / f"trace-rank{rank}.json")
+    rows = {row.group: row for row in fl.trace.summarize(fl.trace.load_events(path))}
+    assert set(rows) == set(FORWARD_ORDER)
+    assert rows["blocks.0"].all_gathers == 2 and rows["<root>"].all_gathers == 1  # the root is kept for backward
+    assert all(row.reduce_scatters == 1 and row.exposed_ms >= 0 for row in rows.values())
+    # tracing is off outside the block: nothing more is recorded
+    count = len(trace.events)
+    mlp_loss(model, mlp_batch(2, rank)).backward()
+    assert len(trace.events) == count
+
+
+def run(rank: int, ws: int, out_dir: str) -> None:
+    for check in (check_default_order, check_explicit_prefetch, check_prefetch_depth, check_delay_injection):
+        check(rank, ws)
+        dist.barrier()
+    check_trace_export(rank, ws, out_dir)
+
+
+def test_schedule_on_two_ranks(tmp_path: Path, capsys: Any) -> None:
+    spawn(run, 2, str(tmp_path))
+    assert cli_main(["trace", "summarize", str(tmp_path / "trace-rank0.json")]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.2" in out and "exposed communication" in out
+
+
+def test_trace_summarize_bad_file(tmp_path: Path, capsys: Any) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert cli_main(["trace", "summarize", str(bad)]) == 1
+    assert "not JSON" in capsys.readouterr().err
+    bad.write_text('{"events": []}')
+    assert cli_main(["trace", "summarize", str(bad)]) == 1
+    assert "not a Chrome trace" in capsys.readouterr().err
