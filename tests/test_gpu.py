@@ -107,3 +107,90 @@ def test_cpu_offload_on_cuda() -> None:
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.to_local(), q.detach().cpu(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _train_pair(model: nn.Module, ref: nn.Module, steps: int = 3) -> None:
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
+    for step in range(steps):
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            loss = gpt_loss(m, on_device(gpt_batch(step, 0)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_delayed_side_streams_keep_parity() -> None:
+    """Spin the GPU on the collective streams before each collective: a compute stream that does not
+    wait on the right event reads unfinished buffers and the numbers go wrong."""
+    from fsdp2lite._runtime import collectives
+
+    originals = {name: getattr(collectives, name) for name in ("_all_gather_flat", "_reduce_scatter_flat")}
+
+    def delayed(fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            torch.cuda._sleep(2_000_000)  # on the current (side) stream: delays what follows on it
+            return fn(*args, **kwargs)
+
+        return run
+
+    torch.manual_seed(0)
+    ref = GPT(TINY_GPT).to(DEVICE)
+    model = shard(copy.deepcopy(ref))
+    model.set_forward_prefetch_depth(2)
+    try:
+        for name, fn in originals.items():
+            setattr(collectives, name, delayed(fn))
+        _train_pair(model, ref)
+    finally:
+        for name, fn in originals.items():
+            setattr(collectives, name, fn)
+
+
+def test_cuda_schedule_uses_side_streams_and_prefetches() -> None:
+    torch.manual_seed(0)
+    model = shard(GPT(TINY_GPT).to(DEVICE))
+    gpt_loss(model, on_device(gpt_batch(0, 0))).backward()
+    comm = model._fsdp_state.root_context.comm
+    assert comm is not None and comm.streams is not None and set(comm.streams) >= {"all_gather", "reduce_scatter"}
+    with fl.record_trace(model) as trace:
+        gpt_loss(model, on_device(gpt_batch(1, 0))).backward()
+    names = [(e.name, e.group) for e in trace.events]
+    backward_start = names.index(("backward", "<root>"))
+    # backward prefetch: blocks.0's all-gather is issued before blocks.1's reduce-scatter is waited on
+    prefetch = names.index(("all_gather_issue", "blocks.0"), backward_start)
+    waited = names.index(("reduce_scatter_wait", "blocks.1"), backward_start)
+    assert prefetch < waited, names
+
+
+def test_peak_memory_not_above_torch_fully_shard() -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    cfg = TINY_GPT.__class__(vocab_size=1024, seq_len=64, d_model=512, n_heads=8, n_layers=4, tie_embeddings=False)
+    peaks = []
+    for which in ("ours", "torch"):
+        torch.manual_seed(0)
+        model = GPT(cfg).to(DEVICE)
+        if which == "ours":
+            shard(model)
+        else:
+            for block in model.blocks:
+                torch_fully_shard(block)
+            torch_fully_shard(model)
+        batch = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), device=DEVICE)
+        model.loss(batch[:, :-1], batch[:, 1:]).backward()  # warm-up: lazy init, allocator
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model.loss(batch[:, :-1], batch[:, 1:]).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        del model
+        torch.cuda.empty_cache()
+    assert peaks[0] <= peaks[1], f"fsdp2lite step peak {peaks[0]} > torch fully_shard {peaks[1]}"
