@@ -211,12 +211,35 @@ def fully_shard(
         FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy)
         for fqn, param, places in owned
     )
+    _accept_full_tensors_on_load(params)
     group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
     state = FSDPState(modules, group, mp_policy)
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
     return module
+
+
+def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
+    """``load_state_dict`` takes plain full tensors too: a pre-hook on each module that holds a managed
+    parameter replaces a full-shaped plain tensor by this rank's shard (DTensors pass through)."""
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
+    for param in params:
+        for place in param.places:
+            by_module.setdefault(id(place.module), (place.module, []))[1].append((place.name, param))
+    for module, entries in by_module.values():
+
+        def shard_full(_module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any, entries=entries) -> None:
+            for name, param in entries:
+                value = state_dict.get(prefix + name)
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == param.orig_shape
+                ):
+                    state_dict[prefix + name] = param.shard_full_tensor(value)
+
+        module.register_load_state_dict_pre_hook(shard_full)
 
 
 # ---- input checks: each raises naming the offending value and what is allowed -------------------

@@ -57,6 +57,22 @@ def check_state_dict(rank: int, ws: int) -> None:
     fresh.load_state_dict(state)
     x = mlp_batch(0, rank)[0]
     torch.testing.assert_close(fresh(x), ref(x), rtol=0, atol=0)
+    # plain full tensors (e.g. a single-process checkpoint) are sharded on load, without communication
+    torch.manual_seed(2)
+    from_full = shard_mlp(UnevenMLP())
+    with CommDebugMode() as mode:
+        from_full.load_state_dict(ref.state_dict())
+    assert sum(mode.get_comm_counts().values()) == 0
+    assert all(isinstance(p, DTensor) for p in from_full.parameters())
+    torch.testing.assert_close(from_full(x), ref(x), rtol=0, atol=0)
+    # the root is unsharded now (kept after a forward with grad): state dicts still act on the shards
+    assert not isinstance(from_full.head.weight, DTensor)
+    assert all(isinstance(v, DTensor) for v in from_full.state_dict().values())
+    from_full.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(from_full(x), fresh(x), rtol=0, atol=0)
+    wrong = {k: (v[:-1] if k == "head.weight" else v) for k, v in ref.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"size mismatch for head.weight"):
+        from_full.load_state_dict(wrong)
 
 
 def check_unshard_reshard(rank: int, ws: int) -> None:

@@ -180,6 +180,13 @@ class FSDPParam:
             stride=torch.empty(self.orig_shape, device="meta").stride(),
         )
 
+    def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
+        """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,
+        every rank slices the full tensor it was given (``load_state_dict`` of full state dicts)."""
+        start = self.mesh_info.shard_rank * self.padded_rows
+        local = full.detach()[start : start + self.local_rows].to(self.padded_shard.device)
+        return self._to_dtensor(local)
+
     def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:
             place.module._parameters[place.name] = cast(nn.Parameter, tensor)

@@ -196,6 +196,14 @@ class FSDPState:
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
+            module.register_state_dict_pre_hook(self._reshard_for_state_dict)
+            module.register_load_state_dict_pre_hook(self._reshard_for_state_dict)
+
+    def _reshard_for_state_dict(self, *_: Any) -> None:
+        """state_dict()/load_state_dict() act on the shards: between steps (e.g. the root kept unsharded
+        after a forward), reshard first so neither reads nor writes a soon-discarded unsharded copy."""
+        if self.group is not None and self.group.training_state is TrainingState.IDLE:
+            self.group.reshard()  # a backward still to come unshards again in its pre-backward
 
     # ---- lazy init --------------------------------------------------------------------------
     def lazy_init(self) -> None:
