@@ -9,6 +9,7 @@ fl.fully_shard(model)
 from __future__ import annotations
 
 from .api import FSDPModule, UnshardHandle, fully_shard
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .mesh import init_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CheckpointError",
     "ConfigError",
     "FSDPConfig",
     "FSDPModule",
@@ -28,6 +30,8 @@ __all__ = [
     "apply_config",
     "fully_shard",
     "init_mesh",
+    "load_checkpoint",
     "plan_config",
     "record_trace",
+    "save_checkpoint",
 ]

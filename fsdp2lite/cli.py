@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_explain(commands)
     _add_schema(commands)
     _add_trace(commands)
+    _add_consolidate(commands)
     return parser
 
 
@@ -143,6 +144,18 @@ def _add_trace(commands: argparse._SubParsersAction) -> None:
     )
     trace_cli.add_arguments(parser)
     parser.set_defaults(run=trace_cli.run)
+
+
+def _add_consolidate(commands: argparse._SubParsersAction) -> None:
+    from . import consolidate
+
+    parser = commands.add_parser(
+        "consolidate",
+        help="turn a torch.distributed.checkpoint directory into one .pt or .safetensors file",
+        description=consolidate.DESCRIPTION,
+    )
+    consolidate.add_arguments(parser)
+    parser.set_defaults(run=consolidate.run)
 
 
 def main(argv: list[str] | None = None) -> int:
