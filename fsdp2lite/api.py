@@ -112,6 +112,18 @@ class FSDPModule:
         if state.root_context is not None:
             state.root_context.forward_prefetch_depth = depth
 
+    def set_overlap_reduce_scatter(self, overlap: bool) -> None:
+        """On the root: wait each reduce-scatter one group later, overlapping the next group's backward
+        (True; default on CUDA), or right after issuing it, saving a block's worth of memory (False;
+        default on CPU). See docs/design.md."""
+        _check_bool("overlap", overlap)
+        state = self._fsdp_state
+        if state.is_root is False:
+            raise ValueError(f"set_overlap_reduce_scatter is a root setting; {type(self).__name__} is not the root")
+        state.overlap_reduce_scatter = overlap
+        if state.root_context is not None:
+            state.root_context.overlap_reduce_scatter = overlap
+
     def _own_group(self, method: str) -> FSDPParamGroup:
         group = self._fsdp_state.group
         if group is None:

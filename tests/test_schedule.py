@@ -50,7 +50,9 @@ def position(events: list[tuple[str, str]], name: str, group: str, after: int = 
 
 
 def check_default_order(rank: int, ws: int) -> None:
-    events = traced_step(sharded_mlp())
+    model = sharded_mlp()
+    model.set_overlap_reduce_scatter(True)  # CPU default is off (memory); the schedule is checked with it on
+    events = traced_step(model)
     backward_start = position(events, "backward", "<root>")
     # forward: the next group's all-gather is issued before the current group computes
     for current, following in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):
@@ -67,6 +69,13 @@ def check_default_order(rank: int, ws: int) -> None:
         assert position(events, "backward", previous, after=backward_start) < waited, events
     for group in FORWARD_ORDER:  # every group reshards and reduces once
         assert events.count(("reduce_scatter_issue", group)) == 1, group
+
+
+def check_reduce_scatter_waited_at_once_by_default_on_cpu(rank: int, ws: int) -> None:
+    events = traced_step(sharded_mlp())
+    for group in FORWARD_ORDER:
+        issue = position(events, "reduce_scatter_issue", group)
+        assert events[issue + 1] == ("reduce_scatter_wait", group), events
 
 
 def check_explicit_prefetch(rank: int, ws: int) -> None:
@@ -156,7 +165,7 @@ def check_delay_injection(rank: int, ws: int) -> None:
     with delayed_collectives(0.002 * (rank + 1)):
         for reshard in (True, False):
             torch.manual_seed(0)
-            shard = _shard_blocks(reshard)
+            shard = _shard_blocks(reshard, overlap=True)
             train_and_compare(
                 UnevenMLP(n_blocks=N_BLOCKS), shard, mlp_batch, mlp_loss, rank, steps=3, label=f"delayed {reshard}"
             )
@@ -173,11 +182,12 @@ def check_delay_injection(rank: int, ws: int) -> None:
         )
 
 
-def _shard_blocks(reshard: bool | None) -> Callable[[nn.Module], None]:
+def _shard_blocks(reshard: bool | None, overlap: bool = False) -> Callable[[nn.Module], None]:
     def shard(model: nn.Module) -> None:
         for block in model.blocks:
             fl.fully_shard(block, reshard_after_forward=reshard)
         fl.fully_shard(model, reshard_after_forward=reshard)
+        model.set_overlap_reduce_scatter(overlap)
 
     return shard
 
@@ -198,7 +208,13 @@ def check_trace_export(rank: int, ws: int, out_dir: str) -> None:
 
 
 def run(rank: int, ws: int, out_dir: str) -> None:
-    for check in (check_default_order, check_explicit_prefetch, check_prefetch_depth, check_delay_injection):
+    for check in (
+        check_default_order,
+        check_reduce_scatter_waited_at_once_by_default_on_cpu,
+        check_explicit_prefetch,
+        check_prefetch_depth,
+        check_delay_injection,
+    ):
         check(rank, ws)
         dist.barrier()
     check_trace_export(rank, ws, out_dir)

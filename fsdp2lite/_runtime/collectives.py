@@ -135,29 +135,38 @@ def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> 
 
 def issue_reduce_scatter(
     params: tuple[FSDPParam, ...],
-    grads: tuple[torch.Tensor, ...],
+    grads: list[torch.Tensor | None],
     group: dist.ProcessGroup,
     shard_size: int,
     dtype: torch.dtype,
     comm: Comm,
 ) -> ReduceScatterResult:
-    """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum)."""
+    """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum).
+
+    Takes the caller's list: on CPU each grad is dropped from it once copied in, so the grads and the
+    flat buffer are not both held whole."""
     offsets = _offsets([p.padded_numel for p in params])
     with comm.on("reduce_scatter"):  # after the backward kernels that wrote the grads
         reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=comm.device)
         rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
-        for param, grad, start, end in zip(params, grads, offsets, offsets[1:]):
-            block = rank_major[:, start:end]
+        for index, (param, start, end) in enumerate(zip(params, offsets, offsets[1:])):
+            grad, block = grads[index], rank_major[:, start:end]
+            if grad is None:
+                raise RuntimeError(f"reduce-scatter copy-in: grad {index} of {len(params)} was already released")
             for full_part, scattered_part in rank_major_pairs(grad, block, param.padded_rows):
                 scattered_part.copy_(full_part)  # copy-in, cast in one pass
             for pad in padding_views(block, grad.shape[0], param.padded_rows):
                 pad.zero_()
+            if comm.async_work:
+                grads[index] = None  # CPU: copied, so free it now, not after the whole group
         reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=comm.device)
         work = _reduce_scatter_flat(
             reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=comm.async_work
         )
     event = comm.record("reduce_scatter")
-    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, grads, work, event)
+    # CUDA: the reduce-scatter stream reads the grads, so they are held until it is waited on
+    held = () if comm.async_work else tuple(g for g in grads if g is not None)
+    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, held, work, event)
 
 
 def finish_reduce_scatter(

@@ -224,7 +224,7 @@ class FSDPParamGroup:
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
         params: list[FSDPParam] = []
-        grads: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         for param in self.params:
             grad = param.take_unsharded_grad() if param.requires_grad else None
             if grad is not None:
@@ -235,7 +235,7 @@ class FSDPParamGroup:
         info = self.mesh_info
         dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
         self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), tuple(grads), info.shard_group, info.shard_size, dtype, self.comm
+            tuple(params), grads, info.shard_group, info.shard_size, dtype, self.comm
         )
         self.trace("reduce_scatter_issue")
 

@@ -22,9 +22,13 @@ the next ``forward_prefetch_depth`` groups in the recorded forward order are iss
 this group computes. Default depth: 1 on CPU (nothing else would start them early), 0 on CUDA (the
 host runs ahead of the GPU, so the next pre-forward issues its all-gather early anyway). Backward: the
 pre-backward of a group issues the all-gather of the group before it in forward order. A group's
-reduce-scatter is waited only when the next group issues its own, so it overlaps the backward compute
-in between. Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather
-buffers, i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
+reduce-scatter can be waited only when the next group issues its own, so it overlaps the backward
+compute in between (``overlap_reduce_scatter``); that holds its flat input buffer (a block's worth)
+through that backward. Default: on for CUDA, where side streams make the overlap real; off for CPU,
+where gloo's thread competes with compute for the same cores and torch's fully_shard also waits at
+once, so the memory is worth more than the overlap (``set_overlap_reduce_scatter(True)`` turns it
+on). Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather buffers,
+i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
 
 [Note: group pass]
 A call on a list of modules makes one group, used in one pass: the first of its modules to start
@@ -59,10 +63,13 @@ class RootContext:
     order_recorded: bool
     final_callback_queued: bool
     forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
+    overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
     pending_reduce_scatter: FSDPParamGroup | None  # issued last, waited when the next one is issued
     offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
 
-    def __init__(self, states: list[FSDPState], forward_prefetch_depth: int | None) -> None:
+    def __init__(
+        self, states: list[FSDPState], forward_prefetch_depth: int | None, overlap_reduce_scatter: bool | None
+    ) -> None:
         self.states = states
         groups = self.groups()
         self.comm = Comm(groups[0].mesh_info.device) if groups else None
@@ -74,6 +81,7 @@ class RootContext:
         on_cpu = self.comm is None or self.comm.async_work
         # CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly.
         self.forward_prefetch_depth = (1 if on_cpu else 0) if forward_prefetch_depth is None else forward_prefetch_depth
+        self.overlap_reduce_scatter = (not on_cpu) if overlap_reduce_scatter is None else overlap_reduce_scatter
         self.pending_reduce_scatter = None
         self.offloads_from_cuda = any(
             p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
@@ -120,6 +128,9 @@ class RootContext:
         previous, self.pending_reduce_scatter = self.pending_reduce_scatter, group
         if previous is not None and previous is not group:
             previous.finish_reduce_scatter()
+        if not self.overlap_reduce_scatter:
+            group.finish_reduce_scatter()
+            self.pending_reduce_scatter = None
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -180,6 +191,7 @@ class FSDPState:
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
     forward_prefetch_depth: int | None  # as root: None = the device's default ([Note: prefetch])
+    overlap_reduce_scatter: bool | None  # as root: None = the device's default ([Note: prefetch])
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
 
     def __init__(
@@ -192,6 +204,7 @@ class FSDPState:
         self.root_context = None
         self.pending_forward = set()
         self.forward_prefetch_depth = None
+        self.overlap_reduce_scatter = None
         self.trace_recorder = None
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -219,7 +232,7 @@ class FSDPState:
             if state is not self and state not in states:
                 states.append(state)
         _check_one_mesh(states, names)
-        context = RootContext(states, self.forward_prefetch_depth)
+        context = RootContext(states, self.forward_prefetch_depth, self.overlap_reduce_scatter)
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
         for state in states:
