@@ -205,6 +205,7 @@ def finish_reduce_scatter(
         for param, slot in slots:
             param.accumulate_sharded_grad(slot)
     comm.retire("reduce_scatter", result)
+    comm.release(result.reduce_scatter_input)
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

@@ -85,6 +85,13 @@ class Comm:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)  # CUDA: order, don't block the host
 
+    def release(self, buffer: torch.Tensor) -> None:
+        """CPU: free a waited-on collective's buffer now. gloo's Work object still references it until
+        its worker thread lets go, which would make the moment it is freed (and the peak) depend on
+        thread timing; once waited on, gloo no longer reads it."""
+        if self.streams is None:
+            buffer.untyped_storage().resize_(0)
+
     def retire(self, name: str, result: Any) -> None:
         """Keep a consumed CUDA result alive until stream ``name`` is next ordered after compute."""
         if self.streams is not None:

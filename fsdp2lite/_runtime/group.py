@@ -164,6 +164,7 @@ class FSDPParamGroup:
             output = wait_all_gather(pending.result, self.comm)
         copy_out_all_gather(output, self.params, pending.group_size, pending.padded_rows)
         self.comm.retire("all_gather_copy_in", pending.result)  # [Note: CUDA buffer lifetime]
+        self.comm.release(output)
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
             param.to_unsharded()
