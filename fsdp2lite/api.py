@@ -105,24 +105,23 @@ class FSDPModule:
         CPU, 0 on CUDA; see docs/design.md)."""
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"forward prefetch depth must be an int >= 0, got {depth!r}")
-        state = self._fsdp_state
-        if state.is_root is False:
-            raise ValueError(f"set_forward_prefetch_depth is a root setting; {type(self).__name__} is not the root")
-        state.forward_prefetch_depth = depth
-        if state.root_context is not None:
-            state.root_context.forward_prefetch_depth = depth
+        self._set_root_setting("forward_prefetch_depth", depth)
 
     def set_overlap_reduce_scatter(self, overlap: bool) -> None:
         """On the root: wait each reduce-scatter one group later, overlapping the next group's backward
         (True; default on CUDA), or right after issuing it, saving a block's worth of memory (False;
         default on CPU). See docs/design.md."""
         _check_bool("overlap", overlap)
+        self._set_root_setting("overlap_reduce_scatter", overlap)
+
+    def _set_root_setting(self, name: str, value: object) -> None:
+        """Store a root setting on this state (read at lazy init) and on its live context, if any."""
         state = self._fsdp_state
         if state.is_root is False:
-            raise ValueError(f"set_overlap_reduce_scatter is a root setting; {type(self).__name__} is not the root")
-        state.overlap_reduce_scatter = overlap
+            raise ValueError(f"set_{name} is a root setting; {type(self).__name__} is not the root")
+        setattr(state, name, value)
         if state.root_context is not None:
-            state.root_context.overlap_reduce_scatter = overlap
+            setattr(state.root_context, name, value)
 
     def _own_group(self, method: str) -> FSDPParamGroup:
         group = self._fsdp_state.group

@@ -6,15 +6,16 @@
     fsdp2lite explain configs/bf16.yaml --model fsdp2lite.models:gpt_small --world-size 8
     fsdp2lite schema [--markdown]
 
-Adding a subcommand (``validate``, ``explain``, ``schema``): write its module with
-``add_arguments(parser)`` and ``run(args) -> int``, then one ``_add_<name>`` function here that
-registers it in ``build_parser``. Bad user input raises ``UsageError`` (argparse's own errors are
-turned into one too); ``main`` prints it on one line and returns 2, never a traceback.
+Adding a subcommand: write its module with ``DESCRIPTION``, ``add_arguments(parser)`` and
+``run(args) -> int``, then add one row to ``SUBCOMMANDS``. Bad user input raises ``UsageError``
+(argparse's own errors are turned into one too); ``main`` prints it on one line and returns 2,
+never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import NoReturn
 
@@ -83,79 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fsdp2lite {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_demo(commands)
-    _add_validate(commands)
-    _add_explain(commands)
-    _add_schema(commands)
-    _add_trace(commands)
-    _add_consolidate(commands)
+    for name, module_name, help_text in SUBCOMMANDS:
+        # imported here, not at the top: the command modules import UsageError and the types from here
+        module = importlib.import_module(f".{module_name}", __package__)
+        command = commands.add_parser(name, help=help_text, description=module.DESCRIPTION)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     return parser
 
 
-def _add_demo(commands: argparse._SubParsersAction) -> None:
-    from . import demo  # imported here: demo imports UsageError and the types from this module
-
-    parser = commands.add_parser(
-        "demo",
-        help="train a small GPT sharded over CPU processes and show per-rank parameter bytes",
-        description=demo.DESCRIPTION,
-    )
-    demo.add_arguments(parser)
-    parser.set_defaults(run=demo.run_demo)
-
-
-def _add_validate(commands: argparse._SubParsersAction) -> None:
-    from . import validate
-
-    parser = commands.add_parser(
-        "validate", help="check YAML policy files against the schema", description=validate.DESCRIPTION
-    )
-    validate.add_arguments(parser)
-    parser.set_defaults(run=validate.run)
-
-
-def _add_explain(commands: argparse._SubParsersAction) -> None:
-    from . import explain  # imported here: explain imports UsageError and the types from this module
-
-    parser = commands.add_parser(
-        "explain",
-        help="show the groups, bytes per rank and policies a config gives a model",
-        description=explain.DESCRIPTION,
-    )
-    explain.add_arguments(parser)
-    parser.set_defaults(run=explain.run)
-
-
-def _add_schema(commands: argparse._SubParsersAction) -> None:
-    from . import schema_doc
-
-    parser = commands.add_parser(
-        "schema", help="print the YAML policy schema (JSON Schema or Markdown)", description=schema_doc.DESCRIPTION
-    )
-    schema_doc.add_arguments(parser)
-    parser.set_defaults(run=schema_doc.run)
-
-
-def _add_trace(commands: argparse._SubParsersAction) -> None:
-    from . import trace_cli
-
-    parser = commands.add_parser(
-        "trace", help="read traces saved by fsdp2lite.record_trace", description=trace_cli.DESCRIPTION
-    )
-    trace_cli.add_arguments(parser)
-    parser.set_defaults(run=trace_cli.run)
-
-
-def _add_consolidate(commands: argparse._SubParsersAction) -> None:
-    from . import consolidate
-
-    parser = commands.add_parser(
-        "consolidate",
-        help="turn a torch.distributed.checkpoint directory into one .pt or .safetensors file",
-        description=consolidate.DESCRIPTION,
-    )
-    consolidate.add_arguments(parser)
-    parser.set_defaults(run=consolidate.run)
+# (command, module in this package with DESCRIPTION, add_arguments(parser) and run(args) -> int, help)
+SUBCOMMANDS = (
+    ("demo", "demo", "train a small GPT sharded over CPU processes and show per-rank parameter bytes"),
+    ("validate", "validate", "check YAML policy files against the schema"),
+    ("explain", "explain", "show the groups, bytes per rank and policies a config gives a model"),
+    ("schema", "schema_doc", "print the YAML policy schema (JSON Schema or Markdown)"),
+    ("trace", "trace_cli", "read traces saved by fsdp2lite.record_trace"),
+    ("consolidate", "consolidate", "turn a torch.distributed.checkpoint directory into one .pt or .safetensors file"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:

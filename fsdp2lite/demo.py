@@ -211,7 +211,7 @@ def _check_policy(cfg: DemoConfig) -> None:
 
 
 # ---- launching the ranks ------------------------------------------------------------------------
-def run_demo(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Validate, spawn the ranks and wait; 0 on success, 1 (with the failing rank's error) if not."""
     try:
         cfg = config_from_args(args)

@@ -44,12 +44,9 @@ def shard(model: nn.Module, **kwargs: object) -> nn.Module:
     return model
 
 
-def test_parity_with_plain_model_on_cuda() -> None:
-    torch.manual_seed(0)
-    ref = GPT(TINY_GPT).to(DEVICE)
-    model = shard(copy.deepcopy(ref))
+def _train_pair(model: nn.Module, ref: nn.Module, steps: int = 3) -> None:
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
-    for step in range(3):
+    for step in range(steps):
         losses = []
         for m, opt in zip((model, ref), opts):
             loss = gpt_loss(m, on_device(gpt_batch(step, 0)))
@@ -59,8 +56,15 @@ def test_parity_with_plain_model_on_cuda() -> None:
             losses.append(loss)
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert isinstance(p, DTensor) and p.device == DEVICE
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_parity_with_plain_model_on_cuda() -> None:
+    torch.manual_seed(0)
+    ref = GPT(TINY_GPT).to(DEVICE)
+    model = shard(copy.deepcopy(ref))
+    _train_pair(model, ref)
+    assert all(isinstance(p, DTensor) and p.device == DEVICE for p in model.parameters())
 
 
 def test_bf16_matches_torch_fully_shard_on_cuda() -> None:
@@ -107,21 +111,6 @@ def test_cpu_offload_on_cuda() -> None:
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.to_local(), q.detach().cpu(), rtol=1e-4, atol=1e-5, msg=name)
-
-
-def _train_pair(model: nn.Module, ref: nn.Module, steps: int = 3) -> None:
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
-    for step in range(steps):
-        losses = []
-        for m, opt in zip((model, ref), opts):
-            loss = gpt_loss(m, on_device(gpt_batch(step, 0)))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss)
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_delayed_side_streams_keep_parity() -> None:
