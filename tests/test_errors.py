@@ -138,3 +138,26 @@ def test_mesh_shapes() -> None:
     swapped = DeviceMesh("cpu", torch.arange(1).view(1, 1), mesh_dim_names=("shard", "replicate"))
     with pytest.raises(ValueError, match=r"ordered \(replicate, shard\); got axes \('shard', 'replicate'\)"):
         fl.fully_shard(nn.Linear(2, 2), swapped)
+
+
+def test_schedule_settings() -> None:
+    model = UnevenMLP()
+    for block in model.blocks:
+        fl.fully_shard(block)
+    fl.fully_shard(model)
+    model(torch.randn(2, 16))  # lazy init: the root is known now
+    with pytest.raises(
+        ValueError, match="set_forward_prefetch_depth is a root setting; FSDPUnevenBlock is not the root"
+    ):
+        model.blocks[0].set_forward_prefetch_depth(1)
+    with pytest.raises(ValueError, match="forward prefetch depth must be an int >= 0, got -1"):
+        model.set_forward_prefetch_depth(-1)
+    with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
+        model.set_overlap_reduce_scatter("yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prefetch targets must be modules fully_shard was applied to, got Linear"):
+        model.set_modules_to_forward_prefetch([model.head])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="expected a list of FSDPModules, got FSDPUnevenBlock"):
+        model.set_modules_to_backward_prefetch(model.blocks[0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="record_trace needs a module fully_shard was applied to, got Linear"):
+        with fl.record_trace(model.head):  # type: ignore[arg-type]
+            pass
