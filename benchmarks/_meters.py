@@ -83,7 +83,9 @@ def tracked_peak(step: Callable[[], None], *external: nn.Module | torch.optim.Op
     with tracker:
         step()
     peak: Counter[str] = Counter()
-    for device_snapshot in tracker.get_tracker_snapshot("peak").values():
+    for device, device_snapshot in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(device).type == "meta":
+            continue  # meta tensors take no memory (torch's fully_shard makes some too)
         # keys are "Total" and _MemRefType members whose values are the names: "Parameter", ...
         peak.update({str(getattr(category, "value", category)): nbytes for category, nbytes in device_snapshot.items()})
     return dict(peak)

@@ -96,6 +96,16 @@ def padding_views(rank_major: torch.Tensor, dim0: int, padded_rows: int) -> Iter
             yield rank_major[full_ranks + 1 :]
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape`` (computed, not allocated: even a meta tensor shows
+    up as memory in tools that count every device)."""
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 class FSDPParam:
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
@@ -177,7 +187,7 @@ class FSDPParam:
             self.mesh_info.placements,
             run_check=False,
             shape=self.orig_shape,
-            stride=torch.empty(self.orig_shape, device="meta").stride(),
+            stride=_contiguous_stride(self.orig_shape),
         )
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
