@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from . import __version__
@@ -42,26 +43,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---- argument types: argparse prefixes their message with the argument's name --------------------
-def positive_int(text: str) -> int:
-    """``type=`` for integer flags that must be >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
-    return value
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """A ``type=`` for integer flags that must be >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what} (>= {minimum}), got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """``type=`` for integer flags that must be >= 0 (seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer")
+non_negative_int = _int_at_least(0, "a non-negative integer")  # seeds
 
 
 def positive_float(text: str) -> float:
