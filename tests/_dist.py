@@ -36,3 +36,14 @@ def spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
+
+
+def spawn_checks(world_size: int, *checks: Callable[[int, int], None]) -> None:
+    """Run several ``check(rank, world_size)`` in one spawn (start-up is paid once), a barrier after each."""
+    spawn(_run_checks, world_size, checks)
+
+
+def _run_checks(rank: int, world_size: int, checks: tuple[Callable[[int, int], None], ...]) -> None:
+    for check in checks:
+        check(rank, world_size)
+        dist.barrier()

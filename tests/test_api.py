@@ -7,9 +7,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from _dist import spawn
+from _dist import spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import assert_params_match, full, train_and_compare
 from test_comm_counts import counts
@@ -192,18 +191,13 @@ def check_inference_then_train(rank: int, ws: int) -> None:
     train_and_compare(model, lambda m: None, mlp_batch, mlp_loss, rank, steps=2, ref=ref, label="after no_grad")
 
 
-def run(rank: int, ws: int) -> None:
-    for check in (
+def test_module_api_on_two_ranks() -> None:
+    spawn_checks(
+        2,
         check_state_dict,
         check_unshard_reshard,
         check_list_group,
         check_reset_after_exceptions,
         check_divide_factor,
         check_inference_then_train,
-    ):
-        check(rank, ws)
-        dist.barrier()
-
-
-def test_module_api_on_two_ranks() -> None:
-    spawn(run, 2)
+    )

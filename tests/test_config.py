@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import spawn
+from _dist import spawn_checks
 from _models import TINY_GPT, gpt_batch, gpt_loss, tiny_gpt
 from _parity import train_and_compare
 from pydantic import ValidationError
@@ -188,14 +187,14 @@ def check_mesh_mismatch(rank: int, ws: int) -> None:
         fl.apply_config(tiny_gpt(), config)
 
 
-def run(rank: int, ws: int) -> None:
-    for check in (check_parity_configs, check_bf16_config, check_ignored_params, check_mesh_mismatch):
-        check(rank, ws)
-        dist.barrier()
-
-
 def test_apply_config_on_two_ranks() -> None:
-    spawn(run, 2)
+    spawn_checks(
+        2,
+        check_parity_configs,
+        check_bf16_config,
+        check_ignored_params,
+        check_mesh_mismatch,
+    )
 
 
 def test_ties_across_sibling_groups_are_refused() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import spawn
+from _dist import spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import assert_params_match, train_and_compare
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -201,8 +201,9 @@ def check_hsdp_config(rank: int, ws: int) -> None:
     assert isinstance(model.tok_emb.weight, DTensor) and model.tok_emb.weight.placements == (Replicate(), Shard(0))
 
 
-def run(rank: int, ws: int) -> None:
-    for check in (
+def test_hsdp_on_four_ranks() -> None:
+    spawn_checks(
+        4,
         check_placements,
         check_parity,
         check_all_reduce_accumulation,
@@ -211,10 +212,4 @@ def run(rank: int, ws: int) -> None:
         check_mixed_meshes_rejected,
         check_init_mesh,
         check_hsdp_config,
-    ):
-        check(rank, ws)
-        dist.barrier()
-
-
-def test_hsdp_on_four_ranks() -> None:
-    spawn(run, 4)
+    )

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from _dist import spawn
+from _dist import spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
 from _parity import train_and_compare
 from torch.distributed.tensor import DTensor
@@ -131,14 +130,14 @@ def check_cpu_offload(rank: int, ws: int) -> None:
         assert param.to_local().device.type == "cpu" and param.grad.to_local().device.type == "cpu", name
 
 
-def run(rank: int, ws: int) -> None:
-    for check in (check_losses_match_torch, check_dtypes, check_accumulation_in_reduce_dtype, check_cpu_offload):
-        check(rank, ws)
-        dist.barrier()
-
-
 def test_mixed_precision_and_offload() -> None:
-    spawn(run, 2)
+    spawn_checks(
+        2,
+        check_losses_match_torch,
+        check_dtypes,
+        check_accumulation_in_reduce_dtype,
+        check_cpu_offload,
+    )
 
 
 @pytest.mark.usefixtures("single_rank_pg")

@@ -9,9 +9,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from _dist import spawn
+from _dist import spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
 from _parity import train_and_compare
 from torch.distributed.tensor import DTensor, Shard
@@ -144,12 +143,6 @@ SCENARIOS = [
 ]
 
 
-def run_all(rank: int, ws: int) -> None:
-    for scenario in SCENARIOS:
-        scenario(rank, ws)
-        dist.barrier()
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_parity_with_ddp(world_size: int) -> None:
-    spawn(run_all, world_size)
+    spawn_checks(world_size, *SCENARIOS)
