@@ -318,7 +318,7 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
 
 
 def _plan_ignored(model: nn.Module, config: FSDPConfig, plan: Plan, class_names: list[str]) -> None:
-    owners = {f"{mp}.{n}" if mp else n: type(m).__name__ for mp, m in model.named_modules() for n in m._parameters}
+    owners = {join_path(mp, n): type(m).__name__ for mp, m in model.named_modules() for n in m._parameters}
     params = dict(model.named_parameters())
     for index, rule in enumerate(config.ignore):
         hits = [name for name in params if rule.matches(name, owners.get(name, ""))]
@@ -374,7 +374,7 @@ def _group_params(group: GroupPlan, applied: set[int], ignored: set[int]) -> Ite
         for prefix, submodule in _walk(module, path, applied, seen):
             for name, param in submodule._parameters.items():
                 if param is not None and id(param) not in ignored:
-                    yield _join(prefix, name), param
+                    yield join_path(prefix, name), param
 
 
 def _walk(module: nn.Module, path: str, applied: set[int], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
@@ -384,10 +384,11 @@ def _walk(module: nn.Module, path: str, applied: set[int], seen: set[int]) -> It
     yield path, module
     for name, child in module.named_children():
         if id(child) not in applied:
-            yield from _walk(child, _join(path, name), applied, seen)
+            yield from _walk(child, join_path(path, name), applied, seen)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
+    """A module or parameter path: ``prefix.name``, or ``name`` at the root."""
     return f"{prefix}.{name}" if prefix else name
 
 

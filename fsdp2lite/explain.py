@@ -37,7 +37,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from .cli import UsageError, positive_int
-from .config import ConfigError, FSDPConfig, GroupPlan, GroupPolicy, Problem, plan_config
+from .config import ConfigError, FSDPConfig, GroupPlan, GroupPolicy, Problem, join_path, plan_config
 from .validate import problems_table
 
 DESCRIPTION = (
@@ -146,10 +146,6 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     )
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _group_row(group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int) -> GroupRow:
     return GroupRow(
         paths=group.paths,
@@ -202,7 +198,7 @@ def _root_only_modules(model: nn.Module, root_ids: set[int], ignored: set[int]) 
         if params and not isinstance(module, containers) and all(id(p) in root_ids for p in params):
             yield path, module, sum(param_nbytes(p) for p in params)
             continue
-        stack.extend(reversed([(_join(path, name), child) for name, child in module.named_children()]))
+        stack.extend(reversed([(join_path(path, name), child) for name, child in module.named_children()]))
 
 
 # ---- the model: a factory built on the meta device ----------------------------------------------

@@ -68,11 +68,6 @@ class MixedPrecisionPolicy(BaseModel):
     )
     cast_forward_inputs: bool = Field(True, description="cast floating-point forward inputs to param_dtype.")
 
-    @property
-    def is_noop(self) -> bool:
-        """True when the policy changes no dtype anywhere."""
-        return self.param_dtype is None and self.reduce_dtype is None and self.output_dtype is None
-
 
 class OffloadPolicy(BaseModel):
     """No offloading: sharded parameters, gradients and optimizer state stay on the device."""

@@ -82,7 +82,7 @@ class FSDPParamGroup:
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
     post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, rows) while resharded to k
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
-    comm: Comm  # device primitives and the trace recorder; the root's, shared, after lazy init
+    _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
 
@@ -109,9 +109,20 @@ class FSDPParamGroup:
         self.pending_unshard = None
         self.post_forward_buffer = None
         self.reduce_scatter_result = None
-        self.comm = Comm(mesh_info.device)
+        self._comm = None
         self.forward_prefetch = None
         self.backward_prefetch = None
+
+    @property
+    def comm(self) -> Comm:
+        """The root's Comm once lazy init has run; before it (an explicit ``unshard()``), one of its own."""
+        if self._comm is None:
+            self._comm = Comm(self.mesh_info.device)
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: Comm) -> None:
+        self._comm = comm
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
@@ -274,10 +285,6 @@ class FSDPParamGroup:
                 param.take_unsharded_grad()  # discarded: a partial sum from the failed backward
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
 
     # ---- tracing (free when off) ----------------------------------------------------------
     def trace(self, event: str) -> None:
