@@ -109,7 +109,7 @@ def check_list_group(rank: int, ws: int) -> None:
         loss.backward()
     assert counts(fwd)["all_gather"] == 2 and counts(bwd) == {
         "all_gather": 1,
-        "reduce_scatter": 2,
+        "reduce": 2,
         "other": 0,
     }
 

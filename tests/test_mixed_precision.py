@@ -16,6 +16,7 @@ import torch.nn as nn
 from _dist import spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
 from _parity import train_and_compare
+from test_comm_counts import collective_kind
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,17 +31,20 @@ POLICIES = {
 
 
 class CollectiveDtypes(TorchDispatchMode):
-    """Records the dtype of every all-gather and reduce-scatter input that reaches c10d."""
+    """Records the dtype of every all-gather and gradient reduction input that reaches c10d (on gloo the
+    reduction is an in-place all-reduce: [Note: gloo reduce-scatter])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[tuple[str, torch.dtype]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = str(func)
-        if "allgather" in name or "reduce_scatter" in name:
-            kind = "all_gather" if "allgather" in name else "reduce_scatter"
-            self.seen.append((kind, args[1].dtype))
+        kind = collective_kind(str(func))
+        if kind == "all_gather" or "reduce_scatter" in str(func):
+            self.seen.append((kind, args[1].dtype))  # (output, input, ...)
+        elif kind == "reduce":
+            self.seen.append((kind, args[0][0].dtype))  # allreduce_((tensors, ...)
+
         return func(*args, **(kwargs or {}))
 
 
@@ -91,9 +95,9 @@ def check_dtypes(rank: int, ws: int) -> None:
         out.pow(2).mean().backward()
     assert seen == {"weight": torch.bfloat16, "input": torch.bfloat16}, seen
     kinds = {kind for kind, _ in mode.seen}
-    assert kinds == {"all_gather", "reduce_scatter"}
+    assert kinds == {"all_gather", "reduce"}
     assert all(dtype == torch.bfloat16 for kind, dtype in mode.seen if kind == "all_gather"), mode.seen
-    assert all(dtype == torch.float32 for kind, dtype in mode.seen if kind == "reduce_scatter"), mode.seen
+    assert all(dtype == torch.float32 for kind, dtype in mode.seen if kind == "reduce"), mode.seen
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and param.dtype == torch.float32, name
         assert isinstance(param.grad, DTensor) and param.grad.dtype == torch.float32, name

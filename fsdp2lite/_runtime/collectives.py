@@ -21,6 +21,15 @@ The all-gather runs in place: its input is this rank's slot of its output, so an
 group's bytes once for the collective and once for the unsharded parameters (copy-out), 2x the group's
 bytes at most. A separate input buffer would add 1/shard_size of that, and its release would depend on
 when the backend's worker thread lets go of the finished work.
+
+[Note: gloo reduce-scatter]
+gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter_tensor`` as a clone of
+the whole input, an all-reduce of the clone, and a copy of this rank's chunk out of it when waited on;
+the clone lives as long as the Work. On a gloo group fsdp2lite issues that all-reduce itself, in place
+on ``reduce_scatter_input``, and takes this rank's slot of it as the output (cloned once waited, so the
+flat buffer can go). The bytes on the wire are the same; the clone is gone: a group's reduction holds
+1x its unsharded bytes instead of 2x, plus its sharded output (benchmarks/results, params config).
+On every other backend (NCCL, the fake process group) the reduce-scatter is a native one.
 """
 
 from __future__ import annotations
@@ -36,10 +45,37 @@ from .param import FSDPParam, padding_views, rank_major_pairs
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 _all_reduce = dist.all_reduce
+
+
+def reduces_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """True when ``group`` reduces CPU tensors with gloo: [Note: gloo reduce-scatter]."""
+    if device.type != "cpu":
+        return False  # CUDA tensors go through NCCL's native reduce-scatter and the stream schedule
+    backend = str(dist.get_backend(group))  # "gloo", "nccl", "fake" or "cpu:gloo,cuda:nccl"
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
+def _reduce_scatter_flat(
+    reduce_scatter_output: torch.Tensor,
+    reduce_scatter_input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    in_place: bool,
+    async_op: bool,
+) -> dist.Work | None:
+    """One reduce-scatter(sum): ``reduce_scatter_input`` (shard_size * n,) into ``reduce_scatter_output`` (n,).
+
+    ``in_place`` (gloo): the output is this rank's slot of the input and the input is all-reduced in
+    place ([Note: gloo reduce-scatter])."""
+    if in_place:
+        return dist.all_reduce(reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _native_reduce_scatter(
+        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
 
 
 class AllGatherResult(NamedTuple):
@@ -54,8 +90,9 @@ class AllGatherResult(NamedTuple):
 class ReduceScatterResult(NamedTuple):
     """A reduce-scatter in flight, with the parameters its output slots belong to."""
 
-    reduce_scatter_output: torch.Tensor  # (group_numel,)
+    reduce_scatter_output: torch.Tensor  # (group_numel,): a buffer, or (in place) this rank's slot of the input
     reduce_scatter_input: torch.Tensor  # (shard_size * group_numel,)
+    in_place: bool  # gloo: [Note: gloo reduce-scatter]
     params: tuple[FSDPParam, ...]
     grads: tuple[torch.Tensor, ...]  # the unsharded grads it reads, held until it is waited on
     work: dist.Work | None
@@ -137,6 +174,7 @@ def issue_reduce_scatter(
     params: tuple[FSDPParam, ...],
     grads: list[torch.Tensor | None],
     group: dist.ProcessGroup,
+    shard_rank: int,
     shard_size: int,
     dtype: torch.dtype,
     comm: Comm,
@@ -146,6 +184,7 @@ def issue_reduce_scatter(
     Takes the caller's list: on CPU each grad is dropped from it once copied in, so the grads and the
     flat buffer are not both held whole."""
     offsets = _offsets([p.padded_numel for p in params])
+    in_place = reduces_in_place(group, comm.device)
     with comm.on("reduce_scatter"):  # after the backward kernels that wrote the grads
         reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=comm.device)
         rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
@@ -159,14 +198,17 @@ def issue_reduce_scatter(
                 pad.zero_()
             if comm.async_work:
                 grads[index] = None  # CPU: copied, so free it now, not after the whole group
-        reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=comm.device)
+        if in_place:
+            reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]
+        else:
+            reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=comm.device)
         work = _reduce_scatter_flat(
-            reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=comm.async_work
+            reduce_scatter_output, reduce_scatter_input, group=group, in_place=in_place, async_op=comm.async_work
         )
     event = comm.record("reduce_scatter")
     # CUDA: the reduce-scatter stream reads the grads, so they are held until it is waited on
     held = () if comm.async_work else tuple(g for g in grads if g is not None)
-    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, params, held, work, event)
+    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, in_place, params, held, work, event)
 
 
 def finish_reduce_scatter(
@@ -184,10 +226,12 @@ def finish_reduce_scatter(
     Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over
     its replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean.
     """
-    output = result.reduce_scatter_output
-    slots = _slots(output, result.params)
     comm.wait(result.work, None)  # CPU: the output is written; CUDA orders through events below
-    event = result.event
+    output, event = result.reduce_scatter_output, result.event
+    if result.in_place:
+        output = output.clone()  # (group_numel,), off the flat input: [Note: gloo reduce-scatter]
+    comm.release(result.reduce_scatter_input)  # CPU: waited on (and the slot copied), nothing reads it now
+    slots = _slots(output, result.params)
     if replicate_group is not None and all_reduce:
         with comm.after("all_reduce", event):  # the all-reduce reads the reduce-scatter output
             folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
@@ -205,7 +249,6 @@ def finish_reduce_scatter(
         for param, slot in slots:
             param.accumulate_sharded_grad(slot)
     comm.retire("reduce_scatter", result)
-    comm.release(result.reduce_scatter_input)
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

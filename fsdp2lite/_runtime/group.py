@@ -247,7 +247,7 @@ class FSDPParamGroup:
         info = self.mesh_info
         dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
         self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), grads, info.shard_group, info.shard_size, dtype, self.comm
+            tuple(params), grads, info.shard_group, info.shard_rank, info.shard_size, dtype, self.comm
         )
         self.trace("reduce_scatter_issue")
 
