@@ -114,6 +114,13 @@ class FSDPModule:
         _check_bool("overlap", overlap)
         self._set_root_setting("overlap_reduce_scatter", overlap)
 
+    def set_late_backward_prefetch(self, late: bool) -> None:
+        """On the root: in backward, all-gather the next group once this group's reduce-scatter is
+        issued (True; default on CPU: one block-sized buffer less at the peak) or at this group's
+        pre-backward, overlapping its backward compute (False; default on CUDA). See docs/design.md."""
+        _check_bool("late", late)
+        self._set_root_setting("late_backward_prefetch", late)
+
     def _set_root_setting(self, name: str, value: object) -> None:
         """Store a root setting on this state (read at lazy init) and on its live context, if any."""
         state = self._fsdp_state

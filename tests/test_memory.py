@@ -1,12 +1,21 @@
-"""Peak memory during forward, measured with torch's MemTracker on CPU, against a closed-form budget.
-
-Budget: S + R + max(2, d + 1) B + A for forward prefetch depth d (default 1 on CPU), where (bytes, per rank)
+"""Peak memory during forward and backward, measured with torch's MemTracker on CPU, against
+closed-form budgets. Bytes per rank:
     S = the sharded model (padded local shards),
     R = the root group's unsharded parameters (kept through forward),
-    B = the largest block's unsharded parameters (its all-gather output and its unsharded copy
-        are alive together only during copy-out),
+    B = the largest block's unsharded parameters,
     A = the activation peak of the same forward on the plain, unsharded model (measured).
-torch's fully_shard keeps one more block-sized buffer here; the test shows fsdp2lite does not.
+
+Forward, prefetch depth d (default 1 on CPU): S + R + max(2, d + 1) B + A. The block computing plus d
+all-gathers in flight; a block's all-gather output and its unsharded copy are alive together only
+during copy-out. torch's fully_shard keeps one more block-sized buffer here; fsdp2lite does not.
+
+Backward: 2S + 2R + k B + 2A, with k = 2 for the late backward prefetch (CPU default) and k = 3 for
+the prefetch at pre-backward. 2S: the shards and, by the end, their sharded gradients; 2R: the root's
+parameters and unsharded gradients, alive through the whole backward; 2A: activations and their
+gradients. Late, a block's two block-sized phases never overlap a third: its parameters with its
+growing gradients, then its gradients with its reduce-scatter buffer (gloo reduces in place, no
+clone), then that buffer with the next block's all-gather. Prefetching at pre-backward adds the next
+block's all-gather to the first two phases.
 """
 
 from __future__ import annotations
@@ -87,6 +96,42 @@ def trained_peak(model: nn.Module, x: torch.Tensor) -> int:
     return forward_peak(model, x)
 
 
+def backward_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """Peak of one forward + backward (after a first step), gradients starting from None."""
+    model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(x).sum().backward()
+    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+
+
+def check_backward(x: torch.Tensor, ws: int) -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    params = list(reference.parameters())
+    root = [reference.inp.weight, reference.inp.bias, reference.out.weight, reference.out.bias]
+    s, r = sharded_bytes(params, ws), nbytes(root)
+    b = max(nbytes(list(block.parameters())) for block in reference.blocks)
+    a = forward_peak(reference, x) - nbytes(params)
+    peaks = {}
+    for late, k in ((True, 2), (False, 3)):
+        torch.manual_seed(0)
+        ours = Net()
+        for block in ours.blocks:
+            fl.fully_shard(block)
+        fl.fully_shard(ours)
+        ours.set_late_backward_prefetch(late)
+        peaks[late] = backward_peak(ours, x)
+        limit = 2 * s + 2 * r + k * b + 2 * a
+        assert peaks[late] <= limit, f"late={late}: backward peak {peaks[late]} > budget {limit}"
+    # the late prefetch keeps a block-sized buffer out of the peak
+    assert peaks[False] - peaks[True] >= b // 2, peaks
+
+
 def run(rank: int, ws: int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -110,8 +155,12 @@ def run(rank: int, ws: int) -> None:
     torch_fully_shard(theirs)
     their_peak = trained_peak(theirs, x)
     assert peaks[1] <= their_peak, f"fsdp2lite (default prefetch) {peaks[1]} > torch fully_shard {their_peak}"
+    our_backward = backward_peak(ours, x)  # the depth-2 model; depth does not matter in backward
+    their_backward = backward_peak(theirs, x)
+    assert our_backward <= their_backward, f"backward peak: fsdp2lite {our_backward} > torch {their_backward}"
+    check_backward(x, ws)
     dist.barrier()
 
 
-def test_forward_peak_within_budget() -> None:
+def test_peaks_within_budget() -> None:
     spawn(run, 2)

@@ -16,6 +16,7 @@ from _parity import train_and_compare
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2lite as fl
+from fsdp2lite._runtime import collectives
 
 RESHARD_MODES = (None, True, False)
 
@@ -132,6 +133,35 @@ def scenario_clip_grad_norm(rank: int, ws: int) -> None:
     train_and_compare(UnevenMLP(), shard_blocks(None), mlp_batch, mlp_loss, rank, clip_norm=0.05, label="clip")
 
 
+def scenario_device_schedule_variants(rank: int, ws: int) -> None:
+    """The paths the CPU defaults skip, still exact on gloo: the native reduce-scatter (instead of the
+    in-place all-reduce, [Note: gloo reduce-scatter]) and CUDA's schedule (backward prefetch at
+    pre-backward, reduce-scatters pipelined)."""
+    original, native = collectives.reduces_in_place, collectives._native_reduce_scatter
+    calls: list[int] = []
+
+    def counted_native(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return native(*args, **kwargs)
+
+    collectives.reduces_in_place = lambda group, device: False  # type: ignore[assignment]
+    collectives._native_reduce_scatter = counted_native
+    try:
+        torch.manual_seed(0)
+        train_and_compare(UnevenMLP(), shard_blocks(None), mlp_batch, mlp_loss, rank, label="native reduce-scatter")
+    finally:
+        collectives.reduces_in_place, collectives._native_reduce_scatter = original, native
+    assert calls, "the native reduce-scatter path never ran"
+
+    def cuda_schedule(model: nn.Module) -> None:
+        shard_blocks(None)(model)
+        model.set_late_backward_prefetch(False)  # type: ignore[operator]
+        model.set_overlap_reduce_scatter(True)  # type: ignore[operator]
+
+    torch.manual_seed(0)
+    train_and_compare(UnevenMLP(), cuda_schedule, mlp_batch, mlp_loss, rank, label="cuda schedule on cpu")
+
+
 SCENARIOS = [
     scenario_layout,
     scenario_reshard_modes,
@@ -140,6 +170,7 @@ SCENARIOS = [
     scenario_activation_checkpointing,
     scenario_meta_init,
     scenario_clip_grad_norm,
+    scenario_device_schedule_variants,
 ]
 
 

@@ -49,25 +49,49 @@ def position(events: list[tuple[str, str]], name: str, group: str, after: int = 
     raise AssertionError(f"no {name} for {group} after position {after}: {events}")
 
 
-def check_default_order(rank: int, ws: int) -> None:
-    model = sharded_mlp()
-    model.set_overlap_reduce_scatter(True)  # CPU default is off (memory); the schedule is checked with it on
-    events = traced_step(model)
-    backward_start = position(events, "backward", "<root>")
+BACKWARD_PAIRS = [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, previous in forward)
+
+
+def check_forward_order(events: list[tuple[str, str]]) -> None:
     # forward: the next group's all-gather is issued before the current group computes
     for current, following in zip(FORWARD_ORDER, FORWARD_ORDER[1:]):
         assert position(events, "all_gather_issue", following) < position(events, "forward", current), events
     # depth 1: not two ahead
     assert position(events, "all_gather_issue", "blocks.2") > position(events, "forward", "blocks.0")
-    # backward, in reverse: the previous group's all-gather is issued before the current group's
-    # reduce-scatter is waited on, and that reduce-scatter is waited only after the previous group's
-    # backward compute started (it overlapped it)
-    for current, previous in [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]:
+
+
+def check_default_order(rank: int, ws: int) -> None:
+    """CPU defaults: late backward prefetch, reduce-scatters waited at once."""
+    events = traced_step(sharded_mlp())
+    check_forward_order(events)
+    backward_start = position(events, "backward", "<root>")
+    # backward, in reverse: the previous group's all-gather is issued right after the current group's
+    # reduce-scatter (not while its gradients are still whole) and before that reduce-scatter is waited
+    for current, previous in BACKWARD_PAIRS:
+        issued = position(events, "reduce_scatter_issue", current, after=backward_start)
         prefetched = position(events, "all_gather_issue", previous, after=backward_start)
         waited = position(events, "reduce_scatter_wait", current, after=backward_start)
-        assert prefetched < waited, events
-        assert position(events, "backward", previous, after=backward_start) < waited, events
+        assert issued < prefetched < waited < position(events, "backward", previous, after=backward_start), events
     for group in FORWARD_ORDER:  # every group reshards and reduces once
+        assert events.count(("reduce_scatter_issue", group)) == 1, group
+
+
+def check_early_prefetch_and_overlap(rank: int, ws: int) -> None:
+    """The CUDA defaults, on CPU: backward prefetch at pre-backward, reduce-scatters pipelined."""
+    model = sharded_mlp()
+    model.set_late_backward_prefetch(False)
+    model.set_overlap_reduce_scatter(True)
+    events = traced_step(model)
+    check_forward_order(events)
+    backward_start = position(events, "backward", "<root>")
+    # the previous group's all-gather is issued before the current group computes its backward, and
+    # the current reduce-scatter is waited only after the previous group's backward started (overlap)
+    for current, previous in BACKWARD_PAIRS:
+        prefetched = position(events, "all_gather_issue", previous, after=backward_start)
+        assert prefetched < position(events, "backward", current, after=backward_start), events
+        waited = position(events, "reduce_scatter_wait", current, after=backward_start)
+        assert position(events, "backward", previous, after=backward_start) < waited, events
+    for group in FORWARD_ORDER:
         assert events.count(("reduce_scatter_issue", group)) == 1, group
 
 
@@ -75,7 +99,9 @@ def check_reduce_scatter_waited_at_once_by_default_on_cpu(rank: int, ws: int) ->
     events = traced_step(sharded_mlp())
     for group in FORWARD_ORDER:
         issue = position(events, "reduce_scatter_issue", group)
-        assert events[issue + 1] == ("reduce_scatter_wait", group), events
+        # waited before anything else happens in backward (only the late prefetch's issue may come between)
+        following = [event for event in events[issue + 1 :] if event[0] != "all_gather_issue"]
+        assert following[0] == ("reduce_scatter_wait", group), events
 
 
 def check_explicit_prefetch(rank: int, ws: int) -> None:
@@ -85,6 +111,14 @@ def check_explicit_prefetch(rank: int, ws: int) -> None:
     events = traced_step(model)
     root_forward = position(events, "forward", "<root>")
     assert position(events, "all_gather_issue", "blocks.1") < root_forward, events
+    # backward targets are issued at the prefetch point: late (CPU default) after blocks.2's reduce-scatter
+    backward_start = position(events, "backward", "<root>")
+    issued = position(events, "reduce_scatter_issue", "blocks.2", after=backward_start)
+    b1 = position(events, "backward", "blocks.1", after=backward_start)
+    assert issued < position(events, "all_gather_issue", "blocks.0", after=backward_start) < b1, events
+    # early: before blocks.2 computes its backward
+    model.set_late_backward_prefetch(False)
+    events = traced_step(model, step=2)
     backward_start = position(events, "backward", "<root>")
     b2 = position(events, "backward", "blocks.2", after=backward_start)
     assert position(events, "all_gather_issue", "blocks.0", after=backward_start) < b2, events
@@ -163,12 +197,11 @@ def delayed_collectives(delay_s: float) -> Iterator[None]:
 def check_delay_injection(rank: int, ws: int) -> None:
     # rank-dependent delays: ranks reach each collective at different times, and outputs arrive late
     with delayed_collectives(0.002 * (rank + 1)):
-        for reshard in (True, False):
+        for reshard, late in ((True, True), (False, True), (True, False)):
             torch.manual_seed(0)
-            shard = _shard_blocks(reshard, overlap=True)
-            train_and_compare(
-                UnevenMLP(n_blocks=N_BLOCKS), shard, mlp_batch, mlp_loss, rank, steps=3, label=f"delayed {reshard}"
-            )
+            shard = _shard_blocks(reshard, overlap=True, late=late)
+            label = f"delayed reshard={reshard} late_prefetch={late}"
+            train_and_compare(UnevenMLP(n_blocks=N_BLOCKS), shard, mlp_batch, mlp_loss, rank, steps=3, label=label)
         torch.manual_seed(0)
         train_and_compare(
             UnevenMLP(n_blocks=N_BLOCKS),
@@ -182,12 +215,13 @@ def check_delay_injection(rank: int, ws: int) -> None:
         )
 
 
-def _shard_blocks(reshard: bool | None, overlap: bool = False) -> Callable[[nn.Module], None]:
+def _shard_blocks(reshard: bool | None, overlap: bool = False, late: bool = True) -> Callable[[nn.Module], None]:
     def shard(model: nn.Module) -> None:
         for block in model.blocks:
             fl.fully_shard(block, reshard_after_forward=reshard)
         fl.fully_shard(model, reshard_after_forward=reshard)
         model.set_overlap_reduce_scatter(overlap)
+        model.set_late_backward_prefetch(late)
 
     return shard
 
@@ -210,6 +244,7 @@ def check_trace_export(rank: int, ws: int, out_dir: str) -> None:
 def run(rank: int, ws: int, out_dir: str) -> None:
     for check in (
         check_default_order,
+        check_early_prefetch_and_overlap,
         check_reduce_scatter_waited_at_once_by_default_on_cpu,
         check_explicit_prefetch,
         check_prefetch_depth,

@@ -20,13 +20,18 @@ end-of-backward callback clears the per-forward bookkeeping.
 Forward: once a group is unsharded (its copy-out done, its all-gather buffer freed), the all-gathers of
 the next ``forward_prefetch_depth`` groups in the recorded forward order are issued, so they run while
 this group computes. Default depth: 1 on CPU (nothing else would start them early), 0 on CUDA (the
-host runs ahead of the GPU, so the next pre-forward issues its all-gather early anyway). Backward: the
-pre-backward of a group issues the all-gather of the group before it in forward order. A group's
-reduce-scatter can be waited only when the next group issues its own, so it overlaps the backward
-compute in between (``overlap_reduce_scatter``); that holds its flat input buffer (a block's worth)
-through that backward. Default: on for CUDA, where side streams make the overlap real; off for CPU,
-where gloo's thread competes with compute for the same cores and torch's fully_shard also waits at
-once, so the memory is worth more than the overlap (``set_overlap_reduce_scatter(True)`` turns it
+host runs ahead of the GPU, so the next pre-forward issues its all-gather early anyway).
+Backward: each group prefetches the group before it in forward order, either at its pre-backward, so
+the all-gather overlaps this group's backward compute (default on CUDA), or right after issuing its
+reduce-scatter (``late_backward_prefetch``, default on CPU), so the all-gather overlaps the
+reduce-scatter but never coexists with this group's whole gradients and its reduce-scatter buffer:
+one block-sized buffer less at the backward peak, for less overlap where compute and gloo's thread
+compete for the same cores anyway (benchmarks/results: params config).
+A group's reduce-scatter can be waited only when the next group issues its own, so it overlaps the
+backward compute in between (``overlap_reduce_scatter``); that holds its flat input buffer (a block's
+worth) through that backward. Default: on for CUDA, where side streams make the overlap real; off for
+CPU, where gloo's thread competes with compute for the same cores and torch's fully_shard also waits
+at once, so the memory is worth more than the overlap (``set_overlap_reduce_scatter(True)`` turns it
 on). Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather buffers,
 i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
 
@@ -64,11 +69,16 @@ class RootContext:
     final_callback_queued: bool
     forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
     overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
+    late_backward_prefetch: bool  # prefetch in backward after the reduce-scatter (True) or at pre-backward
     pending_reduce_scatter: FSDPParamGroup | None  # issued last, waited when the next one is issued
     offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
 
     def __init__(
-        self, states: list[FSDPState], forward_prefetch_depth: int | None, overlap_reduce_scatter: bool | None
+        self,
+        states: list[FSDPState],
+        forward_prefetch_depth: int | None,
+        overlap_reduce_scatter: bool | None,
+        late_backward_prefetch: bool | None,
     ) -> None:
         self.states = states
         groups = self.groups()
@@ -82,6 +92,7 @@ class RootContext:
         # CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly.
         self.forward_prefetch_depth = (1 if on_cpu else 0) if forward_prefetch_depth is None else forward_prefetch_depth
         self.overlap_reduce_scatter = (not on_cpu) if overlap_reduce_scatter is None else overlap_reduce_scatter
+        self.late_backward_prefetch = on_cpu if late_backward_prefetch is None else late_backward_prefetch
         self.pending_reduce_scatter = None
         self.offloads_from_cuda = any(
             p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
@@ -107,7 +118,7 @@ class RootContext:
             target.unshard()  # issue only: waited in its own pre-forward
 
     def prefetch_backward(self, group: FSDPParamGroup) -> None:
-        """Start the all-gather of the group whose backward runs next (reverse forward order)."""
+        """Start the all-gather of the group whose backward runs after ``group``'s (reverse forward order)."""
         targets = group.backward_prefetch
         if targets is None:
             targets = self._neighbours(group, 1, step=-1)
@@ -192,6 +203,7 @@ class FSDPState:
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
     forward_prefetch_depth: int | None  # as root: None = the device's default ([Note: prefetch])
     overlap_reduce_scatter: bool | None  # as root: None = the device's default ([Note: prefetch])
+    late_backward_prefetch: bool | None  # as root: None = the device's default ([Note: prefetch])
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
 
     def __init__(
@@ -205,6 +217,7 @@ class FSDPState:
         self.pending_forward = set()
         self.forward_prefetch_depth = None
         self.overlap_reduce_scatter = None
+        self.late_backward_prefetch = None
         self.trace_recorder = None
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -232,7 +245,9 @@ class FSDPState:
             if state is not self and state not in states:
                 states.append(state)
         _check_one_mesh(states, names)
-        context = RootContext(states, self.forward_prefetch_depth, self.overlap_reduce_scatter)
+        context = RootContext(
+            states, self.forward_prefetch_depth, self.overlap_reduce_scatter, self.late_backward_prefetch
+        )
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
         for state in states:
@@ -318,8 +333,8 @@ class FSDPState:
             self.root_context.queue_final_callback()
         if self.group is not None:
             self.group.pre_backward()
-            if self.root_context is not None:
-                self.root_context.prefetch_backward(self.group)
+            if self.root_context is not None and not self.root_context.late_backward_prefetch:
+                self.root_context.prefetch_backward(self.group)  # overlaps this group's backward
             self.group.trace("backward")
 
     def post_backward(self) -> None:
@@ -328,8 +343,11 @@ class FSDPState:
         if group is None or not group.needs_post_backward:
             return
         group.post_backward()
-        if self.root_context is not None:
-            self.root_context.queue_reduce_scatter(group)
+        context = self.root_context
+        if context is not None:
+            if context.late_backward_prefetch:
+                context.prefetch_backward(group)  # overlaps this group's reduce-scatter: [Note: prefetch]
+            context.queue_reduce_scatter(group)
 
 
 def _attach_post_backward(
