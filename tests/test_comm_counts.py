@@ -149,6 +149,17 @@ def check_gloo_reduces_in_place(rank: int) -> None:
             assert storage.nbytes() <= group_bytes, (param.fqn, storage.nbytes(), group_bytes)
 
 
+def test_cpu_backend_parsing() -> None:
+    from fsdp2lite._runtime.collectives import cpu_backend
+
+    assert cpu_backend("gloo") == "gloo"
+    assert cpu_backend("cpu:gloo,cuda:nccl") == "gloo"
+    assert cpu_backend("cuda:nccl,cpu:gloo") == "gloo"
+    assert cpu_backend("nccl") == "nccl"
+    assert cpu_backend("cuda:nccl") == "cuda:nccl"  # no CPU backend: never "gloo"
+    assert cpu_backend("fake") == "fake"
+
+
 def run(rank: int, ws: int) -> None:
     for check in (
         check_default_schedule,

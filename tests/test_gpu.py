@@ -150,8 +150,11 @@ def test_cuda_schedule_uses_side_streams_and_prefetches() -> None:
         gpt_loss(model, on_device(gpt_batch(1, 0))).backward()
     names = [(e.name, e.group) for e in trace.events]
     backward_start = names.index(("backward", "<root>"))
-    # backward prefetch: blocks.0's all-gather is issued before blocks.1's reduce-scatter is waited on
+    # backward prefetch at pre-backward (the CUDA default): blocks.0's all-gather is issued before
+    # blocks.1 computes its backward, and before blocks.1's reduce-scatter is waited on
+    assert model._fsdp_state.root_context.late_backward_prefetch is False
     prefetch = names.index(("all_gather_issue", "blocks.0"), backward_start)
+    assert prefetch < names.index(("backward", "blocks.1"), backward_start), names
     waited = names.index(("reduce_scatter_wait", "blocks.1"), backward_start)
     assert prefetch < waited, names
 

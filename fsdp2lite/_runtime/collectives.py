@@ -55,8 +55,17 @@ def reduces_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
     """True when ``group`` reduces CPU tensors with gloo: [Note: gloo reduce-scatter]."""
     if device.type != "cpu":
         return False  # CUDA tensors go through NCCL's native reduce-scatter and the stream schedule
-    backend = str(dist.get_backend(group))  # "gloo", "nccl", "fake" or "cpu:gloo,cuda:nccl"
-    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+    return cpu_backend(str(dist.get_backend(group))) == "gloo"
+
+
+def cpu_backend(backend: str) -> str:
+    """The backend a process group's backend string uses for CPU tensors: "gloo" -> "gloo",
+    "cpu:gloo,cuda:nccl" -> "gloo", "nccl" -> "nccl" (it has no CPU backend of its own)."""
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu"):
+            return name
+    return backend
 
 
 def _reduce_scatter_flat(
