@@ -11,6 +11,10 @@
         mixed_precision: {param_dtype: fp32}
     ignore:
       - {path: "*.rotary.*"}             # parameters left unsharded and unreduced
+    schedule:                            # the root's schedule settings; auto = the device's default
+      forward_prefetch_depth: auto       # int >= 0 | auto (1 on CPU, 0 on CUDA)
+      late_backward_prefetch: auto       # true | false | auto (true on CPU, false on CUDA)
+      overlap_reduce_scatter: auto       # true | false | auto (false on CPU, true on CUDA)
 
 YAML is read in exactly one function (``FSDPConfig.from_yaml``); everything after works on validated
 objects. Errors are collected, not raised one by one: ``ConfigError.problems`` lists every problem
@@ -93,6 +97,42 @@ class Match(BaseModel):
         return self.path is None or any(fnmatch.fnmatchcase(path, glob) for glob in _as_list(self.path))
 
 
+class ScheduleConfig(BaseModel):
+    """The root's schedule settings (docs/design.md, "Devices"); ``auto`` keeps the device's default."""
+
+    model_config = _STRICT
+
+    forward_prefetch_depth: int | Literal["auto"] = Field(
+        "auto", description="groups all-gathered ahead in forward; auto: 1 on CPU, 0 on CUDA"
+    )
+    late_backward_prefetch: bool | Literal["auto"] = Field(
+        "auto",
+        description="in backward, all-gather the next group after this group's reduce-scatter (true) or at "
+        "its pre-backward (false); auto: true on CPU, false on CUDA",
+    )
+    overlap_reduce_scatter: bool | Literal["auto"] = Field(
+        "auto",
+        description="wait each reduce-scatter one group later, overlapping the next group's backward (true) "
+        "or right after issuing it (false); auto: false on CPU, true on CUDA",
+    )
+
+    @field_validator("forward_prefetch_depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, int) and value < 0):
+            raise ValueError(f"forward_prefetch_depth is a group count >= 0 or auto, got {value!r}")
+        return value
+
+    def apply_to(self, root: Any) -> None:
+        """Set every non-auto value on ``root`` (an FSDPModule that will be the root)."""
+        if self.forward_prefetch_depth != "auto":
+            root.set_forward_prefetch_depth(self.forward_prefetch_depth)
+        if self.late_backward_prefetch != "auto":
+            root.set_late_backward_prefetch(self.late_backward_prefetch)
+        if self.overlap_reduce_scatter != "auto":
+            root.set_overlap_reduce_scatter(self.overlap_reduce_scatter)
+
+
 class WrapRule(BaseModel):
     """One wrap rule: the modules it matches become groups, with optional policy overrides."""
 
@@ -108,7 +148,7 @@ class WrapRule(BaseModel):
 
 
 class FSDPConfig(BaseModel):
-    """A whole sharding setup: mesh, top-level policies, wrap rules and ignored parameters."""
+    """A whole sharding setup: mesh, top-level policies, wrap rules, ignored parameters and the schedule."""
 
     model_config = _STRICT
 
@@ -123,6 +163,9 @@ class FSDPConfig(BaseModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="top-level offload")
     wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
     ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig, description="the root's schedule settings (see ScheduleConfig)"
+    )
 
     @field_validator("reshard_after_forward")
     @classmethod
@@ -186,8 +229,10 @@ class ConfigError(ValueError):
 
 
 def problems_from(exc: ValidationError) -> list[Problem]:
-    """pydantic's errors as Problems; unknown keys get the closest valid key as a suggestion."""
-    problems = []
+    """pydantic's errors as Problems; unknown keys get the closest valid key as a suggestion, and a value
+    no member of a union accepts is one problem listing what would be valid (not one per member)."""
+    problems: list[Problem] = []
+    unions: dict[tuple[Any, ...], tuple[int, list[Any]]] = {}  # parent location -> (problem index, errors)
     for error in exc.errors():
         loc = tuple(error["loc"])
         location = ".".join(str(part) for part in loc)
@@ -196,9 +241,35 @@ def problems_from(exc: ValidationError) -> list[Problem]:
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
             suggestion = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
             problems.append(Problem(location, f"unknown key '{loc[-1]}'", suggestion))
+        elif _union_member(loc):
+            if loc[:-1] not in unions:
+                unions[loc[:-1]] = (len(problems), [])
+                problems.append(Problem("", "", ""))  # a placeholder, keeping the order: filled in below
+            unions[loc[:-1]][1].append(error)
         else:
             problems.append(Problem(location, error["msg"].removeprefix("Value error, "), ""))
+    for parent, (index, errors) in unions.items():
+        accepted = ", ".join(_member_phrase(str(error["loc"][-1])) for error in errors)
+        location = ".".join(str(part) for part in parent)
+        problems[index] = Problem(location, f"{errors[0]['input']!r} is not valid here", f"use {accepted}")
     return problems
+
+
+def _union_member(loc: tuple[Any, ...]) -> bool:
+    """pydantic tags an error of one union member with the member's type ('bool', 'int',
+    "literal['auto']", 'list[str]'): a last location part that is no key where it stands."""
+    if len(loc) < 2 or not isinstance(loc[-1], str):
+        return False
+    return loc[-1] not in _valid_keys(loc[:-1]) and loc[-2] in _valid_keys(loc[:-2])
+
+
+def _member_phrase(tag: str) -> str:
+    """How a union member's tag reads in a suggestion: ``literal['auto']`` -> ``auto``."""
+    if tag.startswith("literal["):
+        return tag.removeprefix("literal[").removesuffix("]").replace("'", "")
+    return {"bool": "true or false", "int": "an integer", "str": "a string", "list[str]": "a list of strings"}.get(
+        tag, tag
+    )
 
 
 def _valid_keys(loc: Sequence[str | int]) -> list[str]:
@@ -413,6 +484,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
             fully_shard(group.modules[0], mesh, ignored_params=ignored, **kwargs)
         else:
             fully_shard(list(group.modules), mesh, ignored_params=ignored, **kwargs)
+    config.schedule.apply_to(model)  # the model is the root: plans always end with it
     return model
 
 

@@ -37,7 +37,16 @@ from rich.text import Text
 from rich.tree import Tree
 
 from .cli import UsageError, positive_int
-from .config import ConfigError, FSDPConfig, GroupPlan, GroupPolicy, Problem, join_path, plan_config
+from .config import (
+    ConfigError,
+    FSDPConfig,
+    GroupPlan,
+    GroupPolicy,
+    Problem,
+    ScheduleConfig,
+    join_path,
+    plan_config,
+)
 from .validate import problems_table
 
 DESCRIPTION = (
@@ -97,6 +106,7 @@ class Explanation:
 
     replicate: int
     shard: int  # the shard degree: the ranks each parameter is split over
+    schedule: ScheduleConfig  # the root's schedule settings, as the config gives them
     rows: list[GroupRow]  # plan order: bottom-up, root last
     ignored: list[ParamSize]
     unmatched: list[Problem]  # rules that match nothing (plan_config's problems)
@@ -136,6 +146,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     return Explanation(
         replicate=replicate,
         shard=shard,
+        schedule=config.schedule,
         rows=rows,
         ignored=[ParamSize(name, p.numel(), param_nbytes(p)) for name, p in plan.ignored.items()],
         unmatched=list(plan.problems),
@@ -310,6 +321,22 @@ def large_modules_table(large: list[LargeModule]) -> Table:
     return table
 
 
+_SCHEDULE_AUTO = {  # what "auto" resolves to: (on CPU, on CUDA)
+    "forward_prefetch_depth": ("1", "0"),
+    "late_backward_prefetch": ("true", "false"),
+    "overlap_reduce_scatter": ("false", "true"),
+}
+
+
+def schedule_line(schedule: ScheduleConfig) -> str:
+    """``schedule (root): forward_prefetch_depth=auto (CPU 1, CUDA 0) · ...``, YAML spelling."""
+    parts = []
+    for key, (cpu, cuda) in _SCHEDULE_AUTO.items():
+        value = getattr(schedule, key)
+        parts.append(f"{key}=auto (CPU {cpu}, CUDA {cuda})" if value == "auto" else f"{key}={str(value).lower()}")
+    return "schedule (root): " + " · ".join(parts)
+
+
 def summary_line(explanation: Explanation) -> str:
     e = explanation
     return (
@@ -321,6 +348,7 @@ def summary_line(explanation: Explanation) -> str:
 
 def show_explanation(console: Console, title: str, explanation: Explanation) -> None:
     console.print(explanation_tree(title, explanation))
+    console.print(Text(schedule_line(explanation.schedule), style="dim"), soft_wrap=True)
     if explanation.unmatched:
         console.print(problems_table("error: rules that match nothing", explanation.unmatched))
     if explanation.refused:

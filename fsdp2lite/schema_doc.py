@@ -5,7 +5,7 @@
 
 The Markdown is generated from the JSON Schema alone: one section per model, in the order a reader
 meets them from the top level (FSDPConfig, MeshConfig, MixedPrecisionPolicy, OffloadConfig, WrapRule,
-Match), each with its docstring, where it appears, and a table of key / type / default / description.
+Match, ScheduleConfig), each with its docstring, where it appears, and a table of key / type / default / description.
 ``docs/config-reference.md`` is this output, checked in; a test keeps the two equal.
 """
 

@@ -129,6 +129,19 @@ def test_explain_every_shipped_config(config: str, capsys: pytest.CaptureFixture
         assert f"blocks.{index}  wrap[0]: class=Block" in out
     degree = "shard degree 4, replicate 2" if config.endswith("hsdp.yaml") else "shard degree 8, replicate 1"
     assert "summary: 834,304 params" in out and degree in out
+    assert "schedule (root): forward_prefetch_depth=" in out
+
+
+def test_explain_shows_the_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "schedule.yaml"
+    schedule = "schedule: {forward_prefetch_depth: 2, late_backward_prefetch: false}"
+    path.write_text(f"wrap:\n  - match: {{class: Block}}\n{schedule}\n")
+    assert main(["explain", str(path), "--model", FACTORY]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich may wrap the line
+    assert (
+        "schedule (root): forward_prefetch_depth=2 · late_backward_prefetch=false · "
+        "overlap_reduce_scatter=auto (CPU false, CUDA true)"
+    ) in out
 
 
 def test_explain_rule_matching_nothing_exits_1_listing_classes(
@@ -260,6 +273,7 @@ def test_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> No
         "offload",
         "wrap",
         "ignore",
+        "schedule",
     ]
 
 
@@ -270,7 +284,15 @@ def test_config_reference_doc_is_generated(capsys: pytest.CaptureFixture[str]) -
     assert main(["schema", "--markdown"]) == 0
     assert capsys.readouterr().out == checked_in
     sections = [line.removeprefix("## ") for line in checked_in.splitlines() if line.startswith("## ")]
-    assert sections == ["FSDPConfig", "MeshConfig", "MixedPrecisionPolicy", "OffloadConfig", "WrapRule", "Match"]
+    assert sections == [
+        "FSDPConfig",
+        "MeshConfig",
+        "MixedPrecisionPolicy",
+        "OffloadConfig",
+        "WrapRule",
+        "Match",
+        "ScheduleConfig",
+    ]
 
 
 # ---- the demo's --config ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 import fsdp2lite as fl
-from fsdp2lite.config import Match, WrapRule
+from fsdp2lite.config import Match, Problem, WrapRule, problems_from
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -187,6 +187,26 @@ def check_mesh_mismatch(rank: int, ws: int) -> None:
         fl.apply_config(tiny_gpt(), config)
 
 
+def check_schedule(rank: int, ws: int) -> None:
+    """schedule: values reach the root's context; auto keeps the device's (CPU) defaults."""
+    wrap = [{"match": {"class": "Block"}}]
+    cases = (
+        ({}, (1, True, False)),
+        (
+            {"forward_prefetch_depth": 0, "late_backward_prefetch": False, "overlap_reduce_scatter": True},
+            (0, False, True),
+        ),
+    )
+    for schedule, expected in cases:
+        torch.manual_seed(0)
+        config = fl.FSDPConfig.model_validate({"wrap": wrap, "schedule": schedule})
+        model = fl.apply_config(tiny_gpt(), config)
+        gpt_loss(model, gpt_batch(0, rank)).backward()
+        context = model._fsdp_state.root_context
+        got = (context.forward_prefetch_depth, context.late_backward_prefetch, context.overlap_reduce_scatter)
+        assert got == expected, (schedule, got)
+
+
 def test_apply_config_on_two_ranks() -> None:
     spawn_checks(
         2,
@@ -194,7 +214,34 @@ def test_apply_config_on_two_ranks() -> None:
         check_bf16_config,
         check_ignored_params,
         check_mesh_mismatch,
+        check_schedule,
     )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "location", "message"),
+    [
+        ({"forward_prefetch_depth": -1}, "schedule.forward_prefetch_depth", "group count >= 0 or auto, got -1"),
+        ({"forward_prefetch_depth": True}, "schedule.forward_prefetch_depth", "group count >= 0 or auto, got True"),
+        ({"late_backward_prefetch": "sometimes"}, "schedule.late_backward_prefetch", "'sometimes' is not valid"),
+    ],
+)
+def test_schedule_errors_name_the_key_and_value(schedule: dict, location: str, message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        fl.FSDPConfig.model_validate({"schedule": schedule})
+    problems = problems_from(info.value)
+    assert [p.location for p in problems] == [location], problems
+    assert message in problems[0].message, problems
+
+
+def test_union_errors_are_one_problem_listing_what_is_valid() -> None:
+    with pytest.raises(ValidationError) as info:
+        fl.FSDPConfig.model_validate({"reshard_after_forward": "maybe", "wrap": [{"match": {"class": 3}}]})
+    problems = problems_from(info.value)
+    assert problems == [
+        Problem("reshard_after_forward", "'maybe' is not valid here", "use true or false, an integer, auto"),
+        Problem("wrap.0.match.class", "3 is not valid here", "use a string, a list of strings"),
+    ]
 
 
 def test_ties_across_sibling_groups_are_refused() -> None:
