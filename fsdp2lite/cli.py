@@ -98,7 +98,7 @@ SUBCOMMANDS = (
     ("explain", "explain", "show the groups, bytes per rank and policies a config gives a model"),
     ("schema", "schema_doc", "print the YAML policy schema (JSON Schema or Markdown)"),
     ("trace", "trace_cli", "read traces saved by fsdp2lite.record_trace"),
-    ("consolidate", "consolidate", "turn a torch.distributed.checkpoint directory into one .pt or .safetensors file"),
+    ("consolidate", "consolidate_cli", "turn a torch.distributed.checkpoint directory into one .pt/.safetensors file"),
 )
 
 
