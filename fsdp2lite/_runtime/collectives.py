@@ -27,8 +27,14 @@ gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter
 the whole input, an all-reduce of the clone, and a copy of this rank's chunk out of it when waited on;
 the clone lives as long as the Work. On a gloo group fsdp2lite issues that all-reduce itself, in place
 on ``reduce_scatter_input``, and takes this rank's slot of it as the output (cloned once waited, so the
-flat buffer can go). The bytes on the wire are the same; the clone is gone: a group's reduction holds
-1x its unsharded bytes instead of 2x, plus its sharded output (benchmarks/results, params config).
+flat buffer can go). The same example as above:
+
+    rank0 reduce_scatter_input [1 2 4 | 3 0 5], rank1 [3 4 6 | 5 0 7]
+    all-reduce(sum), in place -> both [4 6 10 | 8 0 12]
+    rank0 keeps slot 0 [4 6 10], rank1 slot 1 [8 0 12]; / 2 -> [2 3 5], [4 0 6]
+
+The bytes on the wire are the same; the clone is gone: a group's reduction holds 1x its unsharded
+bytes instead of 2x, plus its sharded output (benchmarks/gloo_memory.py measures both collectives).
 On every other backend (NCCL, the fake process group) the reduce-scatter is a native one.
 """
 
