@@ -22,6 +22,10 @@ collectives never more than torch's), measured in the same processes so the mach
 How to run (about 4-5 minutes on 2 CPU cores with the defaults):
     .venv/bin/python benchmarks/bench_step.py [--config gpt|params|both] [--steps N] [--warmup N]
                                               [--out-dir benchmarks/results] [--no-save]
+                                              [--overlap-reduce-scatter auto|true|false]
+                                              [--late-backward-prefetch auto|true|false]
+The last two set fsdp2lite's root schedule (``auto``: the device's default); a run with a non-auto
+value is a variant, named in its file names (``params-overlap_reduce_scatter=true-cpu-...``).
 Prints a rich table per config and, last, one JSON line with every number. Unless --no-save, each
 config writes ``<out-dir>/<config>-cpu-<YYYYmmdd-HHMMSS>.json`` (all numbers, machine, versions,
 command line, timestamp) and a short ``.md`` next to it.
@@ -75,6 +79,7 @@ class BenchConfig:
     batch: int  # sequences per rank per step
     steps: int  # measured steps when --steps is not given
     about: str  # one line for the table title
+    schedule: tuple[tuple[str, bool], ...] = ()  # fsdp2lite root settings, e.g. (("overlap_reduce_scatter", True),)
 
 
 CONFIGS: dict[str, BenchConfig] = {
@@ -130,12 +135,14 @@ class Run:
 # ---------------------------------------------------------------------------------------------
 
 
-def build(kind: str, cfg: GPTConfig) -> Run:
+def build(kind: str, bench: BenchConfig) -> Run:
     """The same GPT (seed 0) wrapped as ``kind``, with AdamW over its (possibly sharded) parameters."""
     torch.manual_seed(0)
-    model: nn.Module = GPT(cfg)
+    model: nn.Module = GPT(bench.model)
     if kind == "fsdp2lite":
         shard_gpt(model)  # type: ignore[arg-type]
+        for key, value in bench.schedule:
+            getattr(model, f"set_{key}")(value)
     elif kind == "torch":
         for block in model.blocks:  # type: ignore[union-attr]
             torch_fully_shard(block)
@@ -196,7 +203,7 @@ def time_interleaved(
 def measure_gloo(rank: int, bench: BenchConfig, warmup: int, steps: int) -> dict[str, Any]:
     """Everything the gloo run measures, as this rank saw it (times are already max over ranks)."""
     batch = make_batch(bench, rank)
-    runs = {kind: build(kind, bench.model) for kind in MODELS}
+    runs = {kind: build(kind, bench) for kind in MODELS}
     times = time_interleaved(runs, batch, warmup, steps)
     memory = {
         kind: tracked_peak(partial(train_step, run, batch), run.model, run.optimizer) for kind, run in runs.items()
@@ -219,7 +226,7 @@ def measure_fake(bench: BenchConfig, warmup: int, steps: int) -> dict[str, Any]:
     errors: dict[str, str] = {}
     for kind in MODELS:
         try:
-            run = build(kind, bench.model)
+            run = build(kind, bench)
             train_step(run, batch)  # the first step is where lazy init and most failures happen
             runs[kind] = run
         except Exception as exc:  # reported in the table and the JSON, the other models go on
@@ -361,6 +368,7 @@ def summarize(
     return {
         "config": bench.name,
         "about": bench.about,
+        "fsdp2lite_schedule": dict(bench.schedule),  # empty: the device's defaults
         "model_config": dataclasses.asdict(bench.model),
         "batch_per_rank": bench.batch,
         "n_params": gloo["n_params"],
@@ -423,9 +431,11 @@ def notes(summary: dict[str, Any]) -> list[str]:
 
 
 def render(console: Console, summary: dict[str, Any]) -> None:
+    schedule = ", ".join(f"{k}={v}" for k, v in summary["fsdp2lite_schedule"].items()) or "default schedule"
     table = Table(
-        title=f"{summary['config']}: {summary['about']} ({summary['n_params'] / 1e6:.1f}M params, "
-        f"{summary['world_size']} gloo ranks, {summary['steps']} steps after {summary['warmup']} warm-up)"
+        title=f"{summary['config']} (fsdp2lite: {schedule}): {summary['about']} "
+        f"({summary['n_params'] / 1e6:.1f}M params, {summary['world_size']} gloo ranks, "
+        f"{summary['steps']} steps after {summary['warmup']} warm-up)"
     )
     for index, column in enumerate(COLUMNS):
         table.add_column(column, justify="left" if index == 0 else "right")
@@ -439,6 +449,7 @@ def render(console: Console, summary: dict[str, Any]) -> None:
 def markdown(summary: dict[str, Any], env: dict[str, Any]) -> str:
     return (
         f"# bench_step: {summary['config']} on {summary['device']}\n\n"
+        f"fsdp2lite schedule: {summary['fsdp2lite_schedule'] or 'the device defaults'}\n\n"
         f"{summary['about']}; {summary['n_params'] / 1e6:.1f}M params, batch {summary['batch_per_rank']} per rank, "
         f"{summary['world_size']} gloo ranks, {summary['steps']} measured steps after {summary['warmup']} warm-up.\n\n"
         + markdown_table(COLUMNS, table_rows(summary))
@@ -450,7 +461,8 @@ def markdown(summary: dict[str, Any], env: dict[str, Any]) -> str:
 
 
 def save(out_dir: Path, summary: dict[str, Any], env: dict[str, Any], started: datetime.datetime) -> list[str]:
-    stem = f"{summary['config']}-{DEVICE}-{started:%Y%m%d-%H%M%S}"
+    variant = ",".join(f"{key}={str(value).lower()}" for key, value in summary["fsdp2lite_schedule"].items())
+    stem = f"{summary['config']}{'-' + variant if variant else ''}-{DEVICE}-{started:%Y%m%d-%H%M%S}"
     return save_run(out_dir, stem, {**env, **summary}, markdown(summary, env))
 
 
@@ -466,10 +478,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps before the measured ones")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true", help="print only, write no files")
+    for key in SCHEDULE_KEYS:
+        parser.add_argument(
+            f"--{key.replace('_', '-')}",
+            choices=("auto", "true", "false"),
+            default="auto",
+            help=f"fsdp2lite's set_{key} on the root (auto: the device's default)",
+        )
     args = parser.parse_args(argv)
     if args.warmup < 1 or (args.steps is not None and args.steps < 1):
         parser.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1")
     return args
+
+
+SCHEDULE_KEYS = ("overlap_reduce_scatter", "late_backward_prefetch")
+
+
+def schedule_from(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
+    return tuple((key, getattr(args, key) == "true") for key in SCHEDULE_KEYS if getattr(args, key) != "auto")
 
 
 def bench_one(console: Console, bench: BenchConfig, warmup: int, steps: int) -> dict[str, Any]:
@@ -491,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     names = ("gpt", "params") if args.config == "both" else (args.config,)
     summaries, files = {}, []
     for name in names:
-        bench = CONFIGS[name]
+        bench = dataclasses.replace(CONFIGS[name], schedule=schedule_from(args))
         summary = bench_one(console, bench, args.warmup, args.steps or bench.steps)
         render(console, summary)
         summaries[name] = summary
