@@ -36,6 +36,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from ._runtime.state import ScheduleDefaults, schedule_defaults
 from .cli import UsageError, positive_int
 from .config import (
     ConfigError,
@@ -321,20 +322,22 @@ def large_modules_table(large: list[LargeModule]) -> Table:
     return table
 
 
-_SCHEDULE_AUTO = {  # what "auto" resolves to: (on CPU, on CUDA)
-    "forward_prefetch_depth": ("1", "0"),
-    "late_backward_prefetch": ("true", "false"),
-    "overlap_reduce_scatter": ("false", "true"),
-}
-
-
 def schedule_line(schedule: ScheduleConfig) -> str:
-    """``schedule (root): forward_prefetch_depth=auto (CPU 1, CUDA 0) · ...``, YAML spelling."""
+    """``schedule (root): forward_prefetch_depth=auto (CPU 1, CUDA 0) · ...``, YAML spelling; what auto
+    means comes from the runtime's own defaults."""
+    cpu, cuda = schedule_defaults(on_cuda=False), schedule_defaults(on_cuda=True)
     parts = []
-    for key, (cpu, cuda) in _SCHEDULE_AUTO.items():
+    for key in ScheduleDefaults._fields:
         value = getattr(schedule, key)
-        parts.append(f"{key}=auto (CPU {cpu}, CUDA {cuda})" if value == "auto" else f"{key}={str(value).lower()}")
+        if value == "auto":
+            parts.append(f"{key}=auto (CPU {_yaml(getattr(cpu, key))}, CUDA {_yaml(getattr(cuda, key))})")
+        else:
+            parts.append(f"{key}={_yaml(value)}")
     return "schedule (root): " + " · ".join(parts)
+
+
+def _yaml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def summary_line(explanation: Explanation) -> str:

@@ -261,3 +261,15 @@ def test_binary_file(tmp_path: Path) -> None:
     path.write_bytes(b"\x80\x81\xfe\xff" * 8)
     with pytest.raises(fl.ConfigError, match="not a text file"):
         fl.FSDPConfig.from_yaml(path)
+
+
+def test_schedule_keys_are_the_runtime_settings() -> None:
+    """Every ScheduleConfig key is a root setting with a device default (explain shows those)."""
+    from fsdp2lite._runtime.state import ScheduleDefaults, schedule_defaults
+    from fsdp2lite.config import ScheduleConfig
+
+    assert tuple(ScheduleConfig.model_fields) == ScheduleDefaults._fields
+    for key in ScheduleDefaults._fields:
+        assert callable(getattr(fl.FSDPModule, f"set_{key}", None)), key
+    assert schedule_defaults(on_cuda=False) == (1, True, False)
+    assert schedule_defaults(on_cuda=True) == (0, False, True)

@@ -45,7 +45,7 @@ post-forward closes it and leaves the group unsharded for backward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,22 @@ from .comm import Comm
 from .group import FSDPParamGroup
 from .states import TrainingState
 from .trace import TraceRecorder
+
+
+class ScheduleDefaults(NamedTuple):
+    """The root settings a device gets when the user sets none ([Note: prefetch])."""
+
+    forward_prefetch_depth: int
+    late_backward_prefetch: bool
+    overlap_reduce_scatter: bool
+
+
+def schedule_defaults(on_cuda: bool) -> ScheduleDefaults:
+    """CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly
+    (depth 1); CUDA side streams make a pipelined reduce-scatter a real overlap."""
+    if on_cuda:
+        return ScheduleDefaults(forward_prefetch_depth=0, late_backward_prefetch=False, overlap_reduce_scatter=True)
+    return ScheduleDefaults(forward_prefetch_depth=1, late_backward_prefetch=True, overlap_reduce_scatter=False)
 
 
 class RootContext:
@@ -88,11 +104,16 @@ class RootContext:
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False
-        on_cpu = self.comm is None or self.comm.async_work
-        # CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly.
-        self.forward_prefetch_depth = (1 if on_cpu else 0) if forward_prefetch_depth is None else forward_prefetch_depth
-        self.overlap_reduce_scatter = (not on_cpu) if overlap_reduce_scatter is None else overlap_reduce_scatter
-        self.late_backward_prefetch = on_cpu if late_backward_prefetch is None else late_backward_prefetch
+        defaults = schedule_defaults(on_cuda=self.comm is not None and not self.comm.async_work)
+        self.forward_prefetch_depth = (
+            defaults.forward_prefetch_depth if forward_prefetch_depth is None else forward_prefetch_depth
+        )
+        self.overlap_reduce_scatter = (
+            defaults.overlap_reduce_scatter if overlap_reduce_scatter is None else overlap_reduce_scatter
+        )
+        self.late_backward_prefetch = (
+            defaults.late_backward_prefetch if late_backward_prefetch is None else late_backward_prefetch
+        )
         self.pending_reduce_scatter = None
         self.offloads_from_cuda = any(
             p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
