@@ -15,7 +15,8 @@ parameters and unsharded gradients, alive through the whole backward; 2A: activa
 gradients. Late, a block's two block-sized phases never overlap a third: its parameters with its
 growing gradients, then its gradients with its reduce-scatter buffer (gloo reduces in place, no
 clone), then that buffer with the next block's all-gather. Prefetching at pre-backward adds the next
-block's all-gather to the first two phases.
+block's all-gather to the first two phases; pipelining the reduce-scatters (CUDA's default, with
+that prefetch) keeps a block's reduce-scatter buffer through the next block's backward: k = 4.
 """
 
 from __future__ import annotations
@@ -118,18 +119,20 @@ def check_backward(x: torch.Tensor, ws: int) -> None:
     b = max(nbytes(list(block.parameters())) for block in reference.blocks)
     a = forward_peak(reference, x) - nbytes(params)
     peaks = {}
-    for late, k in ((True, 2), (False, 3)):
+    # (late backward prefetch, pipelined reduce-scatters): CPU defaults, early prefetch, CUDA defaults
+    for late, overlap, k in ((True, False, 2), (False, False, 3), (False, True, 4)):
         torch.manual_seed(0)
         ours = Net()
         for block in ours.blocks:
             fl.fully_shard(block)
         fl.fully_shard(ours)
         ours.set_late_backward_prefetch(late)
-        peaks[late] = backward_peak(ours, x)
+        ours.set_overlap_reduce_scatter(overlap)
+        peaks[k] = backward_peak(ours, x)
         limit = 2 * s + 2 * r + k * b + 2 * a
-        assert peaks[late] <= limit, f"late={late}: backward peak {peaks[late]} > budget {limit}"
+        assert peaks[k] <= limit, f"late={late} overlap={overlap}: backward peak {peaks[k]} > budget {limit}"
     # the late prefetch keeps a block-sized buffer out of the peak
-    assert peaks[False] - peaks[True] >= b // 2, peaks
+    assert peaks[3] - peaks[2] >= b // 2, peaks
 
 
 def run(rank: int, ws: int) -> None:
