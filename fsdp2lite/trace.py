@@ -24,7 +24,15 @@ import torch.nn as nn
 
 from ._runtime.trace import SPAN_EVENTS, TraceEvent, TraceRecorder
 
-__all__ = ["GroupSummary", "TraceEvent", "TraceRecorder", "load_events", "record_trace", "summarize"]
+__all__ = [
+    "GroupSummary",
+    "TraceEvent",
+    "TraceRecorder",
+    "load_events",
+    "load_schedule",
+    "record_trace",
+    "summarize",
+]
 
 
 @contextmanager
@@ -40,8 +48,10 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     recorder = TraceRecorder(rank)
     state.trace_recorder = recorder
-    if state.root_context is not None and state.root_context.comm is not None:
-        state.root_context.comm.recorder = recorder
+    if state.root_context is not None:
+        recorder.schedule = state.root_context.schedule_settings()  # else set at lazy init
+        if state.root_context.comm is not None:
+            state.root_context.comm.recorder = recorder
     try:
         yield recorder
     finally:
@@ -65,9 +75,7 @@ class GroupSummary:
         return self.all_gather_wait_ms + self.reduce_scatter_wait_ms
 
 
-def load_events(path: str | Path) -> list[dict[str, Any]]:
-    """Events from a Chrome trace written by ``save_chrome_trace``; raises ValueError naming the file."""
-    path = Path(path)
+def _read_trace(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
@@ -76,6 +84,18 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"{path}: not a Chrome trace (no 'traceEvents' list); write one with save_chrome_trace")
+    return data
+
+
+def load_schedule(path: str | Path) -> dict[str, Any]:
+    """The schedule settings a trace was recorded under ({} for traces without them)."""
+    schedule = _read_trace(Path(path)).get("otherData", {}).get("fsdp2lite_schedule", {})
+    return schedule if isinstance(schedule, dict) else {}
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    """Events from a Chrome trace written by ``save_chrome_trace``; raises ValueError naming the file."""
+    data = _read_trace(Path(path))
     events = []
     for entry in data["traceEvents"]:
         if isinstance(entry, dict) and entry.get("cat") == "fsdp2lite":

@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .trace import load_events, summarize
+from .trace import load_events, load_schedule, summarize
 
 DESCRIPTION = (
     "Summarize a trace saved with fsdp2lite.record_trace(...).save_chrome_trace(PATH): per group, the time the "
@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         events = load_events(args.file)
+        schedule = load_schedule(args.file)
     except ValueError as exc:
         print(f"fsdp2lite trace: error: {exc}", file=sys.stderr)
         return 1
@@ -49,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
             str(row.reduce_scatters),
         )
     console = Console()
+    if schedule:
+        settings = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in schedule.items())
+        console.print(f"schedule: {settings}", highlight=False)
     console.print(table)
     total = sum(row.exposed_ms for row in rows)
     console.print(f"{len(events)} events, {len(rows)} groups, {total:.3f} ms exposed communication in total")

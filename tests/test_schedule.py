@@ -235,10 +235,23 @@ def check_trace_export(rank: int, ws: int, out_dir: str) -> None:
     assert set(rows) == set(FORWARD_ORDER)
     assert rows["blocks.0"].all_gathers == 2 and rows["<root>"].all_gathers == 1  # the root is kept for backward
     assert all(row.reduce_scatters == 1 and row.exposed_ms >= 0 for row in rows.values())
+    # the settings the order was recorded under travel with the trace
+    cpu_defaults = {"forward_prefetch_depth": 1, "late_backward_prefetch": True, "overlap_reduce_scatter": False}
+    assert fl.trace.load_schedule(path) == {**cpu_defaults, "device": "cpu"}
     # tracing is off outside the block: nothing more is recorded
     count = len(trace.events)
     mlp_loss(model, mlp_batch(2, rank)).backward()
     assert len(trace.events) == count
+    # recording from before the first forward: the settings are taken at lazy init
+    torch.manual_seed(0)
+    fresh = UnevenMLP(n_blocks=N_BLOCKS)
+    for block in fresh.blocks:
+        fl.fully_shard(block)
+    fl.fully_shard(fresh)
+    fresh.set_late_backward_prefetch(False)
+    with fl.record_trace(fresh) as first:
+        mlp_loss(fresh, mlp_batch(0, rank)).backward()
+    assert first.schedule == {**cpu_defaults, "late_backward_prefetch": False, "device": "cpu"}
 
 
 def run(rank: int, ws: int, out_dir: str) -> None:
@@ -260,6 +273,8 @@ def test_schedule_on_two_ranks(tmp_path: Path, capsys: Any) -> None:
     assert cli_main(["trace", "summarize", str(tmp_path / "trace-rank0.json")]) == 0
     out = capsys.readouterr().out
     assert "blocks.2" in out and "exposed communication" in out
+    settings = "forward_prefetch_depth=1, late_backward_prefetch=true, overlap_reduce_scatter=false, device=cpu"
+    assert f"schedule: {settings}" in " ".join(out.split())
 
 
 def test_trace_summarize_bad_file(tmp_path: Path, capsys: Any) -> None:

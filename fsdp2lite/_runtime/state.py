@@ -122,6 +122,11 @@ class RootContext:
     def groups(self) -> list[FSDPParamGroup]:
         return [state.group for state in self.states if state.group is not None]
 
+    def schedule_settings(self) -> dict[str, Any]:
+        """The settings in force and the device, for traces: what a reader needs to read the order."""
+        device = self.comm.device.type if self.comm is not None else "none"
+        return {key: getattr(self, key) for key in ScheduleDefaults._fields} | {"device": device}
+
     def finish_forward_pass(self) -> None:
         """Root post-forward: the order is known now; close group passes some module never finished."""
         self.order_recorded = True
@@ -271,6 +276,8 @@ class FSDPState:
         )
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
+        if self.trace_recorder is not None:
+            self.trace_recorder.schedule = context.schedule_settings()
         for state in states:
             state.is_root = state is self
             state.root_context = context

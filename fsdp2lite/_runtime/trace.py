@@ -37,10 +37,12 @@ class TraceRecorder:
 
     events: list[TraceEvent]
     rank: int
+    schedule: dict[str, Any]  # the root's schedule settings and device when recording started ({} until known)
 
     def __init__(self, rank: int = 0) -> None:
         self.events = []
         self.rank = rank
+        self.schedule = {}
         self._t0 = time.perf_counter()
 
     def instant(self, name: str, group: str, state: str) -> None:
@@ -76,7 +78,8 @@ class TraceRecorder:
             else:
                 entry.update(ph="i", s="t")
             trace.append(entry)
-        return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"fsdp2lite_events": len(trace)}}
+        other = {"fsdp2lite_events": len(trace), "fsdp2lite_schedule": self.schedule}
+        return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": other}
 
     def save_chrome_trace(self, path: str | Path) -> Path:
         path = Path(path)
