@@ -154,6 +154,10 @@ def test_schedule_settings() -> None:
         model.set_forward_prefetch_depth(-1)
     with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
         model.set_overlap_reduce_scatter("yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="late must be True or False, got 1"):
+        model.set_late_backward_prefetch(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="set_late_backward_prefetch is a root setting; FSDPUnevenBlock is not"):
+        model.blocks[1].set_late_backward_prefetch(True)
     with pytest.raises(TypeError, match="prefetch targets must be modules fully_shard was applied to, got Linear"):
         model.set_modules_to_forward_prefetch([model.head])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="expected a list of FSDPModules, got FSDPUnevenBlock"):
