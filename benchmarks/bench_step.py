@@ -59,6 +59,7 @@ from rich.table import Table
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp2lite.config import ScheduleConfig
 from fsdp2lite.models import GPT, GPTConfig, shard_gpt
 
 WORLD_SIZE = 2
@@ -141,8 +142,7 @@ def build(kind: str, bench: BenchConfig) -> Run:
     model: nn.Module = GPT(bench.model)
     if kind == "fsdp2lite":
         shard_gpt(model)  # type: ignore[arg-type]
-        for key, value in bench.schedule:
-            getattr(model, f"set_{key}")(value)
+        ScheduleConfig.model_validate(dict(bench.schedule)).apply_to(model)
     elif kind == "torch":
         for block in model.blocks:  # type: ignore[union-attr]
             torch_fully_shard(block)

@@ -126,7 +126,7 @@ class FSDPModule:
         state = self._fsdp_state
         if state.is_root is False:
             raise ValueError(f"set_{name} is a root setting; {type(self).__name__} is not the root")
-        setattr(state, name, value)
+        state.schedule_overrides[name] = value
         if state.root_context is not None:
             setattr(state.root_context, name, value)
 

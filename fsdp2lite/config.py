@@ -124,13 +124,11 @@ class ScheduleConfig(BaseModel):
         return value
 
     def apply_to(self, root: Any) -> None:
-        """Set every non-auto value on ``root`` (an FSDPModule that will be the root)."""
-        if self.forward_prefetch_depth != "auto":
-            root.set_forward_prefetch_depth(self.forward_prefetch_depth)
-        if self.late_backward_prefetch != "auto":
-            root.set_late_backward_prefetch(self.late_backward_prefetch)
-        if self.overlap_reduce_scatter != "auto":
-            root.set_overlap_reduce_scatter(self.overlap_reduce_scatter)
+        """Set every non-auto value on ``root`` (an FSDPModule that will be the root) through its
+        ``set_<key>`` method, which checks it."""
+        for key, value in self.model_dump().items():
+            if value != "auto":
+                getattr(root, f"set_{key}")(value)
 
 
 class WrapRule(BaseModel):

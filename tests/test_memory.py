@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,15 +69,20 @@ def sharded_bytes(params: list[nn.Parameter], ws: int) -> int:
     return sum(math.ceil(p.shape[0] / ws) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
 
 
-def forward_peak(model: nn.Module, x: torch.Tensor) -> int:
+def tracked_peak(model: nn.Module, run: Callable[[], object]) -> int:
+    """MemTracker's peak Total (every device) while ``run()`` runs, ``model`` tracked."""
     # An earlier tracker's reference cycles can hold freed-looking tensors (e.g. the parameters the
     # model had before sharding) until the collector runs; collect so they are not counted here.
     gc.collect()
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        model(x)
+        run()
     return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+
+
+def forward_peak(model: nn.Module, x: torch.Tensor) -> int:
+    return tracked_peak(model, lambda: model(x))
 
 
 def budget(model: Net, x: torch.Tensor, ws: int, depth: int) -> int:
@@ -90,24 +96,22 @@ def budget(model: Net, x: torch.Tensor, ws: int, depth: int) -> int:
     return s + r + max(2, depth + 1) * b + a
 
 
-def trained_peak(model: nn.Module, x: torch.Tensor) -> int:
-    model(x).sum().backward()  # first step: lazy init, every buffer allocated once
+def first_step(model: nn.Module, x: torch.Tensor) -> None:
+    """Lazy init and every buffer allocated once; gradients back to None."""
+    model(x).sum().backward()
     for p in model.parameters():
         p.grad = None
+
+
+def trained_peak(model: nn.Module, x: torch.Tensor) -> int:
+    first_step(model, x)
     return forward_peak(model, x)
 
 
 def backward_peak(model: nn.Module, x: torch.Tensor) -> int:
     """Peak of one forward + backward (after a first step), gradients starting from None."""
-    model(x).sum().backward()
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        model(x).sum().backward()
-    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    first_step(model, x)
+    return tracked_peak(model, lambda: model(x).sum().backward())
 
 
 def check_backward(x: torch.Tensor, ws: int) -> None:

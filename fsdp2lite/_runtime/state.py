@@ -89,13 +89,7 @@ class RootContext:
     pending_reduce_scatter: FSDPParamGroup | None  # issued last, waited when the next one is issued
     offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
 
-    def __init__(
-        self,
-        states: list[FSDPState],
-        forward_prefetch_depth: int | None,
-        overlap_reduce_scatter: bool | None,
-        late_backward_prefetch: bool | None,
-    ) -> None:
+    def __init__(self, states: list[FSDPState], schedule_overrides: dict[str, Any]) -> None:
         self.states = states
         groups = self.groups()
         self.comm = Comm(groups[0].mesh_info.device) if groups else None
@@ -105,15 +99,10 @@ class RootContext:
         self.order_recorded = False
         self.final_callback_queued = False
         defaults = schedule_defaults(on_cuda=self.comm is not None and not self.comm.async_work)
-        self.forward_prefetch_depth = (
-            defaults.forward_prefetch_depth if forward_prefetch_depth is None else forward_prefetch_depth
-        )
-        self.overlap_reduce_scatter = (
-            defaults.overlap_reduce_scatter if overlap_reduce_scatter is None else overlap_reduce_scatter
-        )
-        self.late_backward_prefetch = (
-            defaults.late_backward_prefetch if late_backward_prefetch is None else late_backward_prefetch
-        )
+        settings = defaults._replace(**schedule_overrides)  # the user's values over the device's defaults
+        self.forward_prefetch_depth = settings.forward_prefetch_depth
+        self.late_backward_prefetch = settings.late_backward_prefetch
+        self.overlap_reduce_scatter = settings.overlap_reduce_scatter
         self.pending_reduce_scatter = None
         self.offloads_from_cuda = any(
             p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
@@ -227,9 +216,7 @@ class FSDPState:
     is_root: bool | None  # None until the first forward decides
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
-    forward_prefetch_depth: int | None  # as root: None = the device's default ([Note: prefetch])
-    overlap_reduce_scatter: bool | None  # as root: None = the device's default ([Note: prefetch])
-    late_backward_prefetch: bool | None  # as root: None = the device's default ([Note: prefetch])
+    schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
 
     def __init__(
@@ -241,9 +228,7 @@ class FSDPState:
         self.is_root = None
         self.root_context = None
         self.pending_forward = set()
-        self.forward_prefetch_depth = None
-        self.overlap_reduce_scatter = None
-        self.late_backward_prefetch = None
+        self.schedule_overrides = {}
         self.trace_recorder = None
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -271,9 +256,7 @@ class FSDPState:
             if state is not self and state not in states:
                 states.append(state)
         _check_one_mesh(states, names)
-        context = RootContext(
-            states, self.forward_prefetch_depth, self.overlap_reduce_scatter, self.late_backward_prefetch
-        )
+        context = RootContext(states, self.schedule_overrides)
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
         if self.trace_recorder is not None:
