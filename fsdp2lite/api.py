@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ._runtime.group import FSDPParamGroup, check_post_forward_size
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
-from .mesh import MeshInfo, default_mesh, mesh_info_for
+from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 M = TypeVar("M", nn.Module, list[nn.Module])
@@ -218,10 +218,11 @@ def fully_shard(
     """
     modules = _check_modules(module)
     _check_reshard_after_forward(reshard_after_forward)
-    mp_policy, policy = _resolve_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params)
     owned = _collect_params(modules, ignored)
-    mesh_info = _mesh_info(mesh, owned, policy.offload_to_cpu)
+    mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
+    policy = _param_policy(mp_policy, offload_policy, mesh_info)
     _check_group_dtypes(owned, policy)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         check_post_forward_size(reshard_after_forward, mesh_info.shard_size)
@@ -295,7 +296,7 @@ def _check_reshard_after_forward(value: Any, allow_none: bool = True) -> None:
     )
 
 
-def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, ParamPolicy]:
+def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -304,17 +305,22 @@ def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisi
         offload_policy = OffloadPolicy()
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}")
+    return mp_policy, offload_policy
+
+
+def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, mesh_info: MeshInfo) -> ParamPolicy:
+    """The policies the parameters run under, now that the compute device is known (pinning needs CUDA)."""
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
-    if pin and not torch.cuda.is_available():
+    if pin and mesh_info.device.type != "cuda":
         warnings.warn(
-            "CPUOffloadPolicy(pin_memory=True) without CUDA: host shards are not pinned (pinning only "
-            "speeds up host-to-device copies). Pass CPUOffloadPolicy(pin_memory=False) to silence this.",
-            stacklevel=3,
+            f"CPUOffloadPolicy(pin_memory=True) on a '{mesh_info.mesh.device_type}' mesh: host shards are not "
+            "pinned (pinning only speeds up copies to a CUDA device). Pass CPUOffloadPolicy(pin_memory=False) "
+            "to silence this.",
+            stacklevel=4,
         )
         pin = False
-    policy = ParamPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, offload_to_cpu=offload, pin_memory=pin)
-    return mp_policy, policy
+    return ParamPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, offload_to_cpu=offload, pin_memory=pin)
 
 
 def _check_group_dtypes(
@@ -419,8 +425,10 @@ def _mesh_info(
     if len({d.type for d in real}) > 1:
         raise ValueError(f"parameters of one fully_shard call must share a device type, got {sorted(map(str, real))}")
     if mesh is None:
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        device_type = next(iter(real)).type if real and not offload else accelerator
+        if real and not offload:
+            device_type = next(iter(real)).type  # the parameters are where the job computes
+        else:
+            device_type = backend_device_type(next(iter(real)).type if real else None)  # [Note: device rule]
         mesh = default_mesh(device_type)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(

@@ -39,6 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
+from ._spawn import exit_rank_process
 from .cli import USAGE_EXIT_CODE, UsageError, non_negative_int, positive_float, positive_int
 from .config import ConfigError, FSDPConfig, Match, WrapRule, apply_config, plan_config
 from .models import GPT, GPTConfig
@@ -250,6 +251,7 @@ def _run_rank(rank: int, cfg: DemoConfig, init_file: str) -> None:
         dist.barrier()  # no rank tears the group down while rank 0 still gathers
     finally:
         dist.destroy_process_group()
+    exit_rank_process()  # succeeded: skip interpreter finalization ([Note: rank exit])
 
 
 # ---- one rank's training ------------------------------------------------------------------------

@@ -14,14 +14,50 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 
-def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1D mesh over the default process group, named ``("shard",)``."""
+def require_default_group(caller: str) -> None:
+    """Raise the clear error for a mesh asked of a process group that does not exist yet."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "fully_shard(mesh=None) needs an initialized default process group: call "
+            f"{caller} needs an initialized default process group: call "
             "torch.distributed.init_process_group(...) first, or pass mesh=DeviceMesh(...)"
         )
+
+
+def default_mesh(device_type: str) -> DeviceMesh:
+    """A 1D mesh over the default process group, named ``("shard",)``."""
+    require_default_group("fully_shard(mesh=None)")
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+
+
+def backend_device_type(preferred: str | None = None) -> str:
+    """The device type a mesh built over the default process group computes on ([Note: device rule]).
+
+    The backend decides: one that talks CUDA (``nccl``, ``cpu:gloo,cuda:nccl``) gives ``"cuda"``, a
+    CPU-only one (``gloo``, ``mpi``) gives ``"cpu"``. A backend that takes any device (the fake process
+    group, custom ones) gives ``preferred`` (the parameters' device type, when they are on a real
+    device) or, without one, ``"cuda"`` when CUDA is available.
+    """
+    require_default_group("fully_shard(mesh=None)")
+    backend = str(dist.get_backend()).lower()
+    parts = {part.rpartition(":")[2] for part in backend.split(",")}
+    devices = {part.rpartition(":")[0] for part in backend.split(",") if ":" in part}
+    if "cuda" in devices or "nccl" in parts:
+        return "cuda"
+    if parts <= {"gloo", "mpi"}:
+        return "cpu"
+    if preferred is not None:
+        return preferred
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# [Note: device rule]
+# Which device a job computes on is a property of the job, not of the machine: a gloo job on a machine
+# that has GPUs is a CPU job. So a mesh fsdp2lite builds itself (``fully_shard(mesh=None)``,
+# ``init_mesh()`` without ``device_type``) takes its device type from the default process group's
+# backend (``backend_device_type``), and only a backend that serves every device (the fake process
+# group) falls back to the parameters' device, then to CUDA when present. A mesh passed in always
+# wins: its ``device_type`` is the compute device. Parameters not offloaded must already be on that
+# device type (or on meta); with CPU offload they stay on the host and the mesh's device computes.
 
 
 def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[int, int]:
@@ -42,11 +78,11 @@ def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[i
 
 def init_mesh(*, replicate: int = 1, shard: int = -1, device_type: str | None = None) -> DeviceMesh:
     """A mesh over the default process group: 1D ``("shard",)`` when ``replicate == 1``, else 2D
-    ``("replicate", "shard")`` for HSDP. ``shard=-1`` takes the remaining ranks."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("init_mesh needs an initialized default process group: call init_process_group first")
+    ``("replicate", "shard")`` for HSDP. ``shard=-1`` takes the remaining ranks. ``device_type=None``:
+    the process group's backend decides ([Note: device rule])."""
+    require_default_group("init_mesh")
     replicate, shard = resolve_mesh_degrees(replicate, shard, dist.get_world_size())
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or backend_device_type()  # [Note: device rule]
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))

@@ -16,11 +16,25 @@ Reduce-scatter (one per group per backward), the same layout in reverse, average
 [Note: buffer lifetime]
 Each flat buffer is owned by its result record (``AllGatherResult``/``ReduceScatterResult``), and the
 record is dropped only after its work has been waited on and its output consumed; dropping the record
-is what frees the buffers. Nothing relies on the allocator seeing a later use (no ``record_stream``).
+is what frees the buffers. Nothing relies on the allocator seeing a later use (no ``record_stream``):
+see [Note: CUDA buffer lifetime] for why that is safe with side streams.
 The all-gather runs in place: its input is this rank's slot of its output, so an unshard allocates the
 group's bytes once for the collective and once for the unsharded parameters (copy-out), 2x the group's
 bytes at most. A separate input buffer would add 1/shard_size of that, and its release would depend on
 when the backend's worker thread lets go of the finished work.
+The reduce-scatter's copy-in runs on the compute stream, where autograd wrote the gradients, so each
+unsharded gradient is freed the moment the one copy-in op has read it (on every device); the flat
+input is then held until the reduce-scatter is waited on, and that wait comes before the next group
+allocates its own (``RootContext.finish_pending_reduce_scatter``): one reduce-scatter input in flight.
+
+[Note: hot path]
+Everything here runs once per group per use, so it is written as a few ops over the whole group, never
+a loop of ops per parameter: copy-in is one ``_foreach_copy_`` into views of the flat buffer; copy-out
+is one ``split_with_sizes_copy`` into each parameter's padded unsharded storage ([Note: unsharded
+storage]); the reduce-scatter copy-in is one ``_chunk_cat`` (it pads each gradient to whole chunks,
+exactly the padded-shard layout); the sharded gradients are ``as_strided`` views of the reduced output
+wrapped in DTensors with a spec built at ``fully_shard`` time. The views and specs that do not change
+between steps are made once (``FSDPParam.flat_shard``, ``all_gather_view``, ``sharded_spec``).
 
 [Note: gloo reduce-scatter]
 gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter_tensor`` as a clone of
@@ -47,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
-from .param import FSDPParam, padding_views, rank_major_pairs
+from .param import FSDPParam, make_dtensor
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -109,42 +123,31 @@ class ReduceScatterResult(NamedTuple):
     reduce_scatter_input: torch.Tensor  # (shard_size * group_numel,)
     in_place: bool  # gloo: [Note: gloo reduce-scatter]
     params: tuple[FSDPParam, ...]
-    grads: tuple[torch.Tensor, ...]  # the unsharded grads it reads, held until it is waited on
     work: dist.Work | None
     event: torch.cuda.Event | None
 
 
-def _offsets(numels: list[int]) -> list[int]:
-    offsets = [0]
-    for numel in numels:
-        offsets.append(offsets[-1] + numel)
-    return offsets
-
-
-def _row_numel(param: FSDPParam) -> int:
-    return param.orig_shape.numel() // param.orig_shape[0]
-
-
 def issue_all_gather(
     sources: list[torch.Tensor],
+    numels: list[int],
     group: dist.ProcessGroup,
     group_size: int,
     group_rank: int,
     dtype: torch.dtype,
     comm: Comm,
 ) -> AllGatherResult:
-    """Copy ``sources`` (this rank's flat padded shards) into this rank's slot of one flat buffer and
-    start one in-place all-gather over ``group``.
+    """Copy ``sources`` (this rank's flat padded shards, ``numels`` elements each) into this rank's slot
+    of one flat buffer and start one in-place all-gather over ``group``.
 
     The input is a view of the output (``output[rank * group_numel : (rank + 1) * group_numel]``), so the
     all-gather allocates the group's bytes once: [Note: buffer lifetime].
     """
-    offsets = _offsets([source.numel() for source in sources])
+    group_numel = sum(numels)
     with comm.on("all_gather_copy_in"):
-        all_gather_output = torch.empty(group_size * offsets[-1], dtype=dtype, device=comm.device)
-        all_gather_input = all_gather_output.narrow(0, group_rank * offsets[-1], offsets[-1])  # (group_numel,)
-        for source, start, end in zip(sources, offsets, offsets[1:]):
-            all_gather_input[start:end].copy_(source, non_blocking=True)  # copy-in, cast in one pass
+        all_gather_output = torch.empty(group_size * group_numel, dtype=dtype, device=comm.device)
+        all_gather_input = all_gather_output.narrow(0, group_rank * group_numel, group_numel)  # (group_numel,)
+        # copy-in, cast to the all-gather dtype in the same pass; non-blocking from pinned host shards
+        torch._foreach_copy_(torch.split(all_gather_input, numels), sources, non_blocking=True)
     copied_in = comm.record("all_gather_copy_in")
     with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
         work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
@@ -158,72 +161,75 @@ def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
 
 
 def copy_out_all_gather(
-    all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, padded_rows: list[int]
+    all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, numels: list[int]
 ) -> None:
-    """Copy each parameter's rows out of the rank-major all-gather output into unsharded storage."""
-    offsets = _offsets([rows * _row_numel(p) for p, rows in zip(params, padded_rows)])
-    rank_major = all_gather_output.view(group_size, offsets[-1])
-    for param, rows, start, end in zip(params, padded_rows, offsets, offsets[1:]):
-        unsharded = param.alloc_unsharded()
-        for full_part, gathered_part in rank_major_pairs(unsharded, rank_major[:, start:end], rows):
-            full_part.copy_(gathered_part)
+    """Copy each parameter's column block of the rank-major output into its padded unsharded storage.
+
+    ``all_gather_output`` viewed ``(group_size, group_numel)``: row r is rank r's slot, parameter i
+    its columns ``[offset_i, offset_i + numels[i])``; one op writes every parameter's
+    ``(group_size, numels[i])`` view, whose first ``numel`` elements are the parameter ([Note: hot path]).
+    """
+    outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
+    torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)
 
 
 def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> tuple[torch.Tensor, list[int]]:
     """This rank's chunk of every unsharded parameter when sharded over ``size`` ranks, in one flat buffer.
 
-    Returns (buffer (group_numel,), padded rows per parameter). Chunking follows torch.chunk, padded
+    Returns (buffer (group_numel,), padded numel per parameter). Chunking follows torch.chunk, padded
     like the main shards, so ``copy_out_all_gather`` restores the parameters from a ``size``-rank gather.
     """
     padded_rows = [math.ceil(p.orig_shape[0] / size) for p in params]
-    offsets = _offsets([rows * _row_numel(p) for p, rows in zip(params, padded_rows)])
-    buffer = torch.zeros(offsets[-1], dtype=params[0].param_dtype, device=params[0].device)
-    for param, rows, start in zip(params, padded_rows, offsets):
-        unsharded = param.alloc_unsharded().view(param.orig_shape[0], -1)  # (dim0, row_numel)
-        local = unsharded[rank * rows : (rank + 1) * rows]  # torch.chunk's piece; may be short or empty
-        buffer[start : start + local.numel()].copy_(local.reshape(-1))
-    return buffer, padded_rows
+    numels = [rows * _row_numel(p) for p, rows in zip(params, padded_rows)]
+    buffer = torch.zeros(sum(numels), dtype=params[0].param_dtype, device=params[0].device)
+    offset = 0
+    for param, rows, numel in zip(params, padded_rows, numels):
+        unsharded = param.unsharded_param
+        if unsharded is None:
+            raise RuntimeError(f"{param.fqn}: resharding to a post-forward group before it was unsharded")
+        local = unsharded.detach().view(param.orig_shape[0], -1)[rank * rows : (rank + 1) * rows]  # may be short
+        buffer[offset : offset + local.numel()].copy_(local.reshape(-1))
+        offset += numel
+    return buffer, numels
+
+
+def _row_numel(param: FSDPParam) -> int:
+    return param.orig_shape.numel() // param.orig_shape[0]
 
 
 def issue_reduce_scatter(
     params: tuple[FSDPParam, ...],
-    grads: list[torch.Tensor | None],
+    grads: list[torch.Tensor],
     group: dist.ProcessGroup,
     shard_rank: int,
     shard_size: int,
     dtype: torch.dtype,
+    in_place: bool,
     comm: Comm,
 ) -> ReduceScatterResult:
     """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum).
 
-    Takes the caller's list: on CPU each grad is dropped from it once copied in, so the grads and the
-    flat buffer are not both held whole."""
-    offsets = _offsets([p.padded_numel for p in params])
-    in_place = reduces_in_place(group, comm.device)
-    with comm.on("reduce_scatter"):  # after the backward kernels that wrote the grads
-        reduce_scatter_input = torch.empty(shard_size * offsets[-1], dtype=dtype, device=comm.device)
-        rank_major = reduce_scatter_input.view(shard_size, offsets[-1])
-        for index, (param, start, end) in enumerate(zip(params, offsets, offsets[1:])):
-            grad, block = grads[index], rank_major[:, start:end]
-            if grad is None:
-                raise RuntimeError(f"reduce-scatter copy-in: grad {index} of {len(params)} was already released")
-            for full_part, scattered_part in rank_major_pairs(grad, block, param.padded_rows):
-                scattered_part.copy_(full_part)  # copy-in, cast in one pass
-            for pad in padding_views(block, grad.shape[0], param.padded_rows):
-                pad.zero_()
-            if comm.async_work:
-                grads[index] = None  # CPU: copied, so free it now, not after the whole group
-        if in_place:
-            reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]
-        else:
-            reduce_scatter_output = torch.empty(offsets[-1], dtype=dtype, device=comm.device)
+    Takes the caller's list and empties it once the copy-in has read the grads, so they are freed
+    then, not when the reduce-scatter is waited on ([Note: buffer lifetime]).
+    """
+    group_numel = sum(p.padded_numel for p in params)
+    # On the compute stream, where the grads were written: reading them needs no event, and the
+    # buffer is only released after the compute stream has waited on the reduce-scatter.
+    reduce_scatter_input = torch.empty(shard_size * group_numel, dtype=dtype, device=comm.device)
+    rank_major = reduce_scatter_input.view(shard_size, group_numel)
+    # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
+    torch._chunk_cat(grads, dim=0, num_chunks=shard_size, out=rank_major)
+    grads.clear()  # the last references: the grads are freed now
+    if in_place:
+        reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]
+    else:
+        reduce_scatter_output = torch.empty(group_numel, dtype=dtype, device=comm.device)
+    with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
         work = _reduce_scatter_flat(
             reduce_scatter_output, reduce_scatter_input, group=group, in_place=in_place, async_op=comm.async_work
         )
     event = comm.record("reduce_scatter")
-    # CUDA: the reduce-scatter stream reads the grads, so they are held until it is waited on
-    held = () if comm.async_work else tuple(g for g in grads if g is not None)
-    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, in_place, params, held, work, event)
+    return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, in_place, params, work, event)
 
 
 def finish_reduce_scatter(
@@ -232,40 +238,73 @@ def finish_reduce_scatter(
     replicate_group: dist.ProcessGroup | None,
     all_reduce: bool,
     comm: Comm,
-) -> None:
+) -> torch.cuda.Event | None:
     """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas; average; accumulate into
-    each sharded ``.grad``.
+    each sharded ``.grad``. Returns an event after the device-to-host gradient copy of CPU offload
+    (None when there is none), for the end of backward to wait on.
 
     HSDP with ``all_reduce=False`` keeps the replica-local sums on the parameters instead
     (``partial_reduced_grad``); the next all-reduce adds them in, so nothing is lost.
     Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over
     its replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean.
     """
-    comm.wait(result.work, None)  # CPU: the output is written; CUDA orders through events below
-    output, event = result.reduce_scatter_output, result.event
+    comm.wait(result.work, result.event)  # CPU: the output is written; CUDA: compute orders after it
+    output = result.reduce_scatter_output
     if result.in_place:
         output = output.clone()  # (group_numel,), off the flat input: [Note: gloo reduce-scatter]
-    comm.release(result.reduce_scatter_input)  # CPU: waited on (and the slot copied), nothing reads it now
-    slots = _slots(output, result.params)
-    if replicate_group is not None and all_reduce:
-        with comm.after("all_reduce", event):  # the all-reduce reads the reduce-scatter output
+    comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
+    if replicate_group is not None:
+        slots = _slots(output, result.params)
+        if not all_reduce:
+            for param, slot in slots:
+                param.keep_partial_reduced_grad(slot)
+            return None
+        with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
             folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
             work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
-        comm.wait(work, None)
-        comm.retire("all_reduce", folded)
-        event = comm.record("all_reduce")
-    comm.wait(None, event)  # CUDA: the compute stream reads the reduced output from here on
-    if replicate_group is not None and not all_reduce:
-        for param, slot in slots:
-            param.keep_partial_reduced_grad(slot)
-    else:
-        if divide_factor != 1.0:
-            output.div_(divide_factor)
-        for param, slot in slots:
-            param.accumulate_sharded_grad(slot)
-    comm.retire("reduce_scatter", result)
+        comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
+        del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
+    if divide_factor != 1.0:
+        output.div_(divide_factor)
+    return accumulate_sharded_grads(output, result.params)
+
+
+def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.cuda.Event | None:
+    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad``.
+
+    Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
+    (on the host when offloaded: one non-blocking copy of the whole output into pinned memory; the
+    returned event marks its end). A new gradient is an ``as_strided`` view of the output that skips
+    the slot's padding rows; an existing one (no ``zero_grad`` in between) gets the new one added.
+    """
+    first = params[0]
+    uniform = all(p.orig_dtype == first.orig_dtype for p in params)
+    flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
+    offload_event = None
+    if first.offload_to_cpu and flat.device.type != "cpu":
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=first.pin_memory)
+        flat = host.copy_(flat, non_blocking=first.pin_memory)  # pinned: async, waited at the end of backward
+        if first.pin_memory:
+            offload_event = torch.cuda.Event()
+            offload_event.record()  # after the copy on the compute stream
+    existing: list[torch.Tensor] = []
+    new: list[torch.Tensor] = []
+    offset = flat.storage_offset()
+    for param in params:
+        local = flat.as_strided(param.local_shape, param.local_view.stride(), offset)  # (local_rows, *rest)
+        offset += param.padded_numel
+        if not uniform:
+            local = local.to(param.orig_dtype)
+        current = param.sharded_param.grad
+        if current is None:
+            param.sharded_param.grad = make_dtensor(local, param.sharded_spec)
+        else:
+            existing.append(current._local_tensor)  # type: ignore[attr-defined]
+            new.append(local)
+    if existing:
+        torch._foreach_add_(existing, new)
+    return offload_event
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:
-    offsets = _offsets([p.padded_numel for p in params])
-    return [(param, output[start:end]) for param, start, end in zip(params, offsets, offsets[1:])]
+    return list(zip(params, torch.split(output, [p.padded_numel for p in params])))

@@ -9,10 +9,16 @@ device; only these primitives differ:
                 producer records an event and a consumer's stream waits on that event only.
 
 [Note: CUDA buffer lifetime]
-A buffer allocated on a side stream is handed back to that stream's pool when its last reference
-goes; a later allocation on the same stream may then reuse it while another stream still reads it.
-So a consumed result is parked in ``retired`` until the producer stream's next use has been ordered
-after the compute stream (``wait_stream``), and only then released. No ``record_stream``.
+The caching allocator hands a freed block back to the stream it was allocated on, and reuses it for
+that stream's next allocation at once, trusting stream order. Two rules make that safe without
+``record_stream`` and without parking buffers:
+  - a buffer allocated on a side stream (the all-gather output, on ``all_gather_copy_in``) may be
+    dropped as soon as the compute stream has queued its last read: every allocation on that side
+    stream happens inside ``Comm.on``, which first makes the side stream wait for the compute stream,
+    so whatever reuses the block is ordered after that read;
+  - a buffer allocated on the compute stream and read or written by a side stream (the reduce-scatter
+    input and output, the HSDP all-reduce operands) is dropped only after the compute stream has
+    waited on that side stream's event, so a compute-stream reuse is ordered after the side stream.
 """
 
 from __future__ import annotations
@@ -30,11 +36,10 @@ STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduc
 
 
 class Comm:
-    """Streams (CUDA) or nothing (CPU), the parked buffers, and the trace recorder."""
+    """Streams (CUDA) or nothing (CPU), and the trace recorder."""
 
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
-    retired: dict[str, list[Any]]  # per producer stream: consumed results awaiting a safe release
     recorder: TraceRecorder | None  # None: tracing off, and free
 
     def __init__(self, device: torch.device) -> None:
@@ -43,7 +48,6 @@ class Comm:
         if device.type == "cuda":
             # high priority so communication kernels are not starved by compute kernels
             self.streams = {name: torch.cuda.Stream(device, priority=-1) for name in STREAM_NAMES}
-        self.retired = {name: [] for name in STREAM_NAMES}
         self.recorder = None
 
     @property
@@ -53,14 +57,14 @@ class Comm:
 
     @contextmanager
     def on(self, name: str) -> Iterator[None]:
-        """Run the block on side stream ``name`` after everything already queued on the compute stream
-        (the shards or grads it reads were written there); release buffers parked for that stream."""
+        """Run the block on side stream ``name`` after everything already queued on the compute stream:
+        the shards or grads it reads were written there, and the blocks it may reuse were last read
+        there ([Note: CUDA buffer lifetime])."""
         if self.streams is None:
             yield
             return
         stream = self.streams[name]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs written on the compute stream
-        self.retired[name].clear()  # now ordered after their consumers: [Note: CUDA buffer lifetime]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs written, reused blocks read
         with torch.cuda.stream(stream):
             yield
 
@@ -78,6 +82,12 @@ class Comm:
             return None
         return self.streams[name].record_event()
 
+    def record_current(self) -> torch.cuda.Event | None:
+        """An event at the current end of the compute stream (None on CPU)."""
+        if self.streams is None:
+            return None
+        return torch.cuda.current_stream(self.device).record_event()
+
     def wait(self, work: dist.Work | None, event: torch.cuda.Event | None) -> None:
         """Make the compute side wait for one collective's output, and for nothing else."""
         if work is not None:
@@ -92,17 +102,11 @@ class Comm:
         if self.streams is None:
             buffer.untyped_storage().resize_(0)
 
-    def retire(self, name: str, result: Any) -> None:
-        """Keep a consumed CUDA result alive until stream ``name`` is next ordered after compute."""
-        if self.streams is not None:
-            self.retired[name].append(result)
-
     def synchronize_side_streams(self) -> None:
-        """End of backward (CUDA): the compute stream waits for every side stream; parked buffers go."""
+        """End of backward (CUDA): the compute stream waits for every side stream (on the GPU, the host
+        does not block), so the optimizer and the next step see everything the side streams wrote."""
         if self.streams is None:
             return
         current = torch.cuda.current_stream(self.device)
-        for name, stream in self.streams.items():
-            current.wait_stream(stream)  # grads written on side streams are complete for the optimizer
-            stream.wait_stream(current)
-            self.retired[name].clear()
+        for stream in self.streams.values():
+            current.wait_stream(stream)

@@ -29,6 +29,7 @@ from .collectives import (
     issue_all_gather,
     issue_reduce_scatter,
     post_forward_shards,
+    reduces_in_place,
     wait_all_gather,
 )
 from .comm import Comm
@@ -41,7 +42,7 @@ class PendingUnshard(NamedTuple):
 
     result: AllGatherResult
     group_size: int  # ranks it gathers from: the shard group, or the post-forward group
-    padded_rows: list[int]  # per parameter, rows each rank contributes
+    numels: list[int]  # per parameter, elements each rank contributes
 
 
 class PostForwardGroup(NamedTuple):
@@ -80,8 +81,10 @@ class FSDPParamGroup:
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
-    post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, rows) while resharded to k
+    post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, numels) while resharded to k
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
+    offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
+    _in_place_reduce: bool | None  # [Note: gloo reduce-scatter], decided at the first reduce-scatter
     _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
@@ -109,6 +112,8 @@ class FSDPParamGroup:
         self.pending_unshard = None
         self.post_forward_buffer = None
         self.reduce_scatter_result = None
+        self.offload_event = None
+        self._in_place_reduce = None
         self._comm = None
         self.forward_prefetch = None
         self.backward_prefetch = None
@@ -155,14 +160,17 @@ class FSDPParamGroup:
             sub = self.post_forward_group
             if sub is None:
                 raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
-            buffer, rows = self.post_forward_buffer
-            result = issue_all_gather([buffer], sub.group, sub.size, sub.rank, dtype, self.comm)
-            self.pending_unshard = PendingUnshard(result, sub.size, rows)
+            buffer, numels = self.post_forward_buffer
+            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, dtype, self.comm)
+            self.pending_unshard = PendingUnshard(result, sub.size, numels)
         else:
             info = self.mesh_info
-            sources = [p.padded_shard.view(-1) for p in self.params]
-            result = issue_all_gather(sources, info.shard_group, info.shard_size, info.shard_rank, dtype, self.comm)
-            self.pending_unshard = PendingUnshard(result, info.shard_size, [p.padded_rows for p in self.params])
+            sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
+            numels = [p.padded_numel for p in self.params]
+            result = issue_all_gather(
+                sources, numels, info.shard_group, info.shard_size, info.shard_rank, dtype, self.comm
+            )
+            self.pending_unshard = PendingUnshard(result, info.shard_size, numels)
         self.trace("all_gather_issue")
 
     def wait_for_unshard(self) -> None:
@@ -173,9 +181,8 @@ class FSDPParamGroup:
         self.pending_unshard = None
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
-        copy_out_all_gather(output, self.params, pending.group_size, pending.padded_rows)
-        self.comm.retire("all_gather_copy_in", pending.result)  # [Note: CUDA buffer lifetime]
-        self.comm.release(output)
+        copy_out_all_gather(output, self.params, pending.group_size, pending.numels)
+        self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
             param.to_unsharded()
@@ -236,7 +243,7 @@ class FSDPParamGroup:
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
         params: list[FSDPParam] = []
-        grads: list[torch.Tensor | None] = []
+        grads: list[torch.Tensor] = []
         for param in self.params:
             grad = param.take_unsharded_grad() if param.requires_grad else None
             if grad is not None:
@@ -245,10 +252,13 @@ class FSDPParamGroup:
         if not params:
             return
         info = self.mesh_info
+        if self._in_place_reduce is None:
+            self._in_place_reduce = reduces_in_place(info.shard_group, self.comm.device)
         dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
         self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), grads, info.shard_group, info.shard_rank, info.shard_size, dtype, self.comm
-        )
+            tuple(params), grads, info.shard_group, info.shard_rank, info.shard_size, dtype,
+            self._in_place_reduce, self.comm,
+        )  # fmt: skip
         self.trace("reduce_scatter_issue")
 
     def finish_reduce_scatter(self) -> None:
@@ -260,7 +270,9 @@ class FSDPParamGroup:
         info = self.mesh_info
         factor = self.gradient_divide_factor or float(info.data_parallel_size)
         with self.trace_span("reduce_scatter_wait"):
-            finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce, self.comm)
+            event = finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce, self.comm)
+        if event is not None:
+            self.offload_event = event
 
     def finalize_backward(self) -> None:
         """End of backward: reduce what autograd never handed us, apply reductions, go idle."""

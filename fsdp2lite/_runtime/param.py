@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo
 from .states import ShardedState
@@ -43,8 +43,18 @@ class ParamPolicy:
 # [Note: unsharded storage]
 # Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
 # and refills it, so the Parameter object and every tensor autograd saved from it stay valid: they see
-# the data again once the group is unsharded for backward. The refill writes through ``.data`` so the
-# parameter's version counter does not move (the values are the same ones autograd saved).
+# the data again once the group is unsharded for backward. The refill writes through views made once
+# (not through the Parameter), so the parameter's version counter does not move (the values are the
+# same ones autograd saved). The storage is padded: shard_size * padded_numel elements, laid out like
+# the all-gather's rank-major output (rank r's padded shard at [r * padded_numel, (r + 1) * padded_numel)),
+# and the Parameter is its first numel elements viewed as the original shape. The all-gather copy-out
+# is then one ``split_with_sizes_copy`` for the whole group, whatever the padding.
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor around ``local`` with a spec built once: no checks, no communication, and ``local``
+    stays where it is (``DTensor.from_local`` would move a host shard to a CUDA mesh's device)."""
+    return DTensor(local, spec, requires_grad=False)
 
 
 @dataclass(frozen=True)
@@ -53,47 +63,6 @@ class ParamPlace:
 
     module: nn.Module
     name: str
-
-
-def rank_major_pairs(
-    full: torch.Tensor, rank_major: torch.Tensor, padded_rows: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Pairs of matching views between a full tensor and its rank-major padded layout.
-
-    ``full`` is the contiguous ``(dim0, *rest)`` tensor; ``rank_major`` is ``(shard_size, padded_numel)``
-    with row r holding rank r's padded shard. Copying each pair one way is the all-gather copy-out,
-    the other way the reduce-scatter copy-in. Padding rows get no pair (see ``padding_views``).
-    Example: dim0=5, padded_rows=2, shard_size=4 -> ranks 0-1 as one (2, 2, row) block, then row 4.
-    """
-    dim0 = full.shape[0]
-    if dim0 == 0 or padded_rows == 0:
-        return
-    full_2d = full.view(dim0, -1)  # (dim0, row_numel)
-    row_numel = full_2d.shape[1]
-    full_ranks, rem_rows = divmod(dim0, padded_rows)
-    if full_ranks:
-        yield (
-            full_2d[: full_ranks * padded_rows].view(full_ranks, padded_rows, row_numel),
-            rank_major[:full_ranks].view(full_ranks, padded_rows, row_numel),
-        )
-    if rem_rows:
-        yield (
-            full_2d[full_ranks * padded_rows :],
-            rank_major[full_ranks, : rem_rows * row_numel].view(rem_rows, row_numel),
-        )
-
-
-def padding_views(rank_major: torch.Tensor, dim0: int, padded_rows: int) -> Iterator[torch.Tensor]:
-    """The parts of a rank-major layout that are padding (no row of the full tensor maps there)."""
-    if padded_rows == 0:
-        return
-    shard_size, padded_numel = rank_major.shape
-    row_numel = padded_numel // padded_rows
-    full_ranks, rem_rows = divmod(dim0, padded_rows)
-    if full_ranks < shard_size:
-        yield rank_major[full_ranks, rem_rows * row_numel :]
-        if full_ranks + 1 < shard_size:
-            yield rank_major[full_ranks + 1 :]
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -118,8 +87,13 @@ class FSDPParam:
     padded_rows: int
     local_rows: int
     padded_shard: torch.Tensor  # (padded_rows, *rest): all-gather input, padding rows are zero
+    flat_shard: torch.Tensor  # padded_shard viewed (padded_numel,): what the all-gather copy-in reads
+    local_view: torch.Tensor  # padded_shard[:local_rows]: the DTensor's local tensor, as made here
+    sharded_spec: DTensorSpec  # placements, global shape and stride, orig dtype: for the param and its grad
     sharded_param: DTensor  # an nn.Parameter holding a DTensor; local tensor padded_shard[:local_rows]
-    unsharded_param: nn.Parameter | None  # created on first unshard, kept across steps
+    unsharded_flat: torch.Tensor | None  # (shard_size * padded_numel,) padded storage: [Note: unsharded storage]
+    unsharded_param: nn.Parameter | None  # unsharded_flat[:numel] in the original shape, kept across steps
+    all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
     sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
     param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
@@ -155,10 +129,17 @@ class FSDPParam:
         self.padded_rows = math.ceil(dim0 / ws)
         self.local_rows = max(0, min(self.padded_rows, dim0 - rank * self.padded_rows))
         start = rank * self.padded_rows
-        self.padded_shard = self._new_padded_shard(param.detach()[start : start + self.local_rows])
-        sharded = nn.Parameter(self._to_dtensor(self.padded_shard[: self.local_rows]), requires_grad=self.requires_grad)
+        self.sharded_spec = DTensorSpec(
+            mesh_info.mesh,
+            mesh_info.placements,
+            tensor_meta=TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.orig_dtype),
+        )
+        self._adopt_padded_shard(self._new_padded_shard(param.detach()[start : start + self.local_rows]))
+        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=self.requires_grad)
         self.sharded_param = cast(DTensor, sharded)
+        self.unsharded_flat = None
         self.unsharded_param = None
+        self.all_gather_view = None
         self.sharded_state = ShardedState.SHARDED
         self._set_on_modules(self.sharded_param)
 
@@ -180,22 +161,18 @@ class FSDPParam:
     def _pin(self, device: torch.device) -> bool:
         return self.offload_to_cpu and self.pin_memory and device.type == "cpu"
 
-    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local,
-            self.mesh_info.mesh,
-            self.mesh_info.placements,
-            run_check=False,
-            shape=self.orig_shape,
-            stride=_contiguous_stride(self.orig_shape),
-        )
+    def _adopt_padded_shard(self, padded: torch.Tensor) -> None:
+        """Make ``padded`` the shard, with the views the hot path reads made once here."""
+        self.padded_shard = padded
+        self.flat_shard = padded.view(-1)
+        self.local_view = padded[: self.local_rows]
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,
         every rank slices the full tensor it was given (``load_state_dict`` of full state dicts)."""
         start = self.mesh_info.shard_rank * self.padded_rows
-        local = full.detach()[start : start + self.local_rows].to(self.padded_shard.device)
-        return self._to_dtensor(local)
+        local = full.detach()[start : start + self.local_rows].to(self.padded_shard.device, self.orig_dtype)
+        return make_dtensor(local, self.sharded_spec)
 
     def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:
@@ -204,7 +181,12 @@ class FSDPParam:
     @property
     def padded_numel(self) -> int:
         """Elements of one rank's padded shard: each rank's slot in the flat buffers."""
-        return self.padded_shard.numel()
+        return self.flat_shard.numel()
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's unpadded shard (and of its sharded gradient)."""
+        return (self.local_rows, *self.orig_shape[1:])
 
     @property
     def device(self) -> torch.device:
@@ -222,33 +204,46 @@ class FSDPParam:
         if isinstance(registered, DTensor) and registered is not self.sharded_param:
             self.sharded_param = registered  # type: ignore[assignment]
             self._set_on_modules(self.sharded_param)
-        local = self.sharded_param.to_local().detach()  # the data, never a node of the user's graph
-        if (
-            local.device == self.padded_shard.device
-            and local.dtype == self.padded_shard.dtype
-            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
-        ):
-            return
-        self.padded_shard = self._new_padded_shard(local)
-        # DTensor has no public setter for its local tensor; point it at the new padded view.
-        self.sharded_param._local_tensor = self.padded_shard[: self.local_rows]  # type: ignore[attr-defined]
+        # DTensor has no public getter or setter for its local tensor without autograd in between.
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        if local is self.local_view:
+            return  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
+        self._adopt_padded_shard(self._new_padded_shard(local.detach()))
+        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
         if self.unsharded_param is not None and self.unsharded_param.device != self.device:
-            self.unsharded_param = None
+            self.unsharded_flat = self.unsharded_param = self.all_gather_view = None
 
     # ---- state transitions ----------------------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
-        """Allocate the unsharded storage; returns the tensor to copy the all-gathered data into."""
-        if self.unsharded_param is None:
+        """Allocate the padded unsharded storage; returns it flat, ``(shard_size * padded_numel,)``.
+
+        The first call creates the storage, the Parameter viewing it and the copy-out view; later calls
+        only give the storage its bytes back ([Note: unsharded storage])."""
+        if self.unsharded_flat is None:
+            shard_size = self.mesh_info.shard_size
+            storage = torch.empty(shard_size * self.padded_numel, dtype=self.param_dtype, device=self.device)
             self.unsharded_param = nn.Parameter(
-                torch.empty(self.orig_shape, dtype=self.param_dtype, device=self.device),
-                requires_grad=self.requires_grad,
+                storage[: self.orig_shape.numel()].view(self.orig_shape), requires_grad=self.requires_grad
             )
-        else:
-            storage = self.unsharded_param.untyped_storage()
-            nbytes = self.unsharded_param.numel() * self.unsharded_param.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)  # [Note: unsharded storage]
-        return self.unsharded_param.data  # writes here do not bump the version counter
+            # ``.data``: the same storage with a version counter of its own, so refills written through
+            # it (and its views) are not in-place modifications in autograd's eyes
+            self.unsharded_flat = storage.data
+            self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
+            return self.unsharded_flat
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)  # [Note: unsharded storage]
+        return self.unsharded_flat
+
+    def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
+        """Where a ``group_size``-rank all-gather with ``padded_numel`` elements per rank is copied out:
+        the cached ``(shard_size, padded_numel)`` view for the shard group, else (a post-forward group
+        of k ranks, [Note: post-forward reshard]) the first ``group_size * padded_numel`` elements."""
+        flat = self.alloc_unsharded()
+        if group_size == self.mesh_info.shard_size and self.all_gather_view is not None:
+            return self.all_gather_view
+        return flat[: group_size * padded_numel].view(group_size, padded_numel)
 
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules."""
@@ -260,8 +255,8 @@ class FSDPParam:
     def to_sharded(self) -> None:
         """Register the sharded DTensor on the modules and free the unsharded storage."""
         self._set_on_modules(self.sharded_param)
-        if self.unsharded_param is not None:
-            self.unsharded_param.untyped_storage().resize_(0)  # [Note: unsharded storage]
+        if self.unsharded_flat is not None:
+            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         self.sharded_state = ShardedState.SHARDED
 
     # ---- gradients ------------------------------------------------------------------------
@@ -315,19 +310,3 @@ class FSDPParam:
         if partial is not None:
             padded_grad.add_(partial)
         return partial
-
-    def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
-        """Add this rank's reduced ``(padded_numel,)`` gradient into the DTensor ``.grad``.
-
-        The gradient is stored in the parameter's own dtype, next to its shard (on the host when
-        offloaded: a non-blocking copy into pinned memory, waited for at the end of backward).
-        """
-        local_grad = padded_grad.view(self.padded_shard.shape)[: self.local_rows].to(self.orig_dtype)
-        current = cast(DTensor | None, self.sharded_param.grad)
-        if current is not None:
-            current.to_local().add_(local_grad.to(current.device))
-            return
-        if self.offload_to_cpu and local_grad.device.type != "cpu":
-            host = torch.empty(local_grad.shape, dtype=local_grad.dtype, pin_memory=self.pin_memory)
-            local_grad = host.copy_(local_grad, non_blocking=self.pin_memory)
-        self.sharded_param.grad = self._to_dtensor(local_grad)

@@ -86,8 +86,7 @@ class RootContext:
     forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
     overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
     late_backward_prefetch: bool  # prefetch in backward after the reduce-scatter (True) or at pre-backward
-    pending_reduce_scatter: FSDPParamGroup | None  # issued last, waited when the next one is issued
-    offloads_from_cuda: bool  # some group's gradients are copied device-to-host without blocking
+    pending_reduce_scatter: FSDPParamGroup | None  # issued last, finished before the next one is issued
 
     def __init__(self, states: list[FSDPState], schedule_overrides: dict[str, Any]) -> None:
         self.states = states
@@ -104,9 +103,6 @@ class RootContext:
         self.late_backward_prefetch = settings.late_backward_prefetch
         self.overlap_reduce_scatter = settings.overlap_reduce_scatter
         self.pending_reduce_scatter = None
-        self.offloads_from_cuda = any(
-            p.offload_to_cpu and p.device.type == "cuda" for group in groups for p in group.params
-        )
 
     def groups(self) -> list[FSDPParamGroup]:
         return [state.group for state in self.states if state.group is not None]
@@ -148,15 +144,21 @@ class RootContext:
         positions = (index + step * k for k in range(1, depth + 1))
         return [self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order)]
 
-    def queue_reduce_scatter(self, group: FSDPParamGroup) -> None:
-        """After ``group`` issued its reduce-scatter: finish the previous one, which overlapped the
-        backward compute in between, and keep this one in flight."""
-        previous, self.pending_reduce_scatter = self.pending_reduce_scatter, group
-        if previous is not None and previous is not group:
+    def finish_pending_reduce_scatter(self) -> None:
+        """Before a group issues its reduce-scatter: finish the one still in flight (it overlapped this
+        group's backward compute), so its flat input is gone before the next one is allocated
+        ([Note: buffer lifetime]). On CUDA the wait is the compute stream's, the host does not block."""
+        previous, self.pending_reduce_scatter = self.pending_reduce_scatter, None
+        if previous is not None:
             previous.finish_reduce_scatter()
-        if not self.overlap_reduce_scatter:
+
+    def track_reduce_scatter(self, group: FSDPParamGroup) -> None:
+        """After ``group`` issued its reduce-scatter: keep it in flight until the next group's
+        (``overlap_reduce_scatter``), or finish it at once."""
+        if self.overlap_reduce_scatter:
+            self.pending_reduce_scatter = group
+        else:
             group.finish_reduce_scatter()
-            self.pending_reduce_scatter = None
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -168,13 +170,16 @@ class RootContext:
         """Runs once autograd has finished the whole backward pass."""
         # Reverse module order mirrors the backward; every rank walks the same list, so any
         # reduce-scatter issued here is issued in the same order on all ranks.
+        self.finish_pending_reduce_scatter()
         for group in reversed(self.groups()):
             group.finalize_backward()
-        self.pending_reduce_scatter = None
         if self.comm is not None:
             self.comm.synchronize_side_streams()
-        if self.offloads_from_cuda:
-            torch.cuda.current_stream().synchronize()  # host gradients complete before optimizer.step()
+        for group in self.groups():
+            if group.offload_event is not None:
+                # The one host wait of a step, CPU offload only: optimizer.step() reads the host grads.
+                group.offload_event.synchronize()
+                group.offload_event = None
         for state in self.states:
             state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
@@ -353,12 +358,14 @@ class FSDPState:
         group = self.group
         if group is None or not group.needs_post_backward:
             return
-        group.post_backward()
         context = self.root_context
+        if context is not None:
+            context.finish_pending_reduce_scatter()  # one reduce-scatter input at a time
+        group.post_backward()
         if context is not None:
             if context.late_backward_prefetch:
                 context.prefetch_backward(group)  # overlaps this group's reduce-scatter: [Note: prefetch]
-            context.queue_reduce_scatter(group)
+            context.track_reduce_scatter(group)
 
 
 def _attach_post_backward(
