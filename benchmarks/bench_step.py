@@ -56,6 +56,7 @@ from _meters import count_collectives, tracked_peak  # benchmarks/ is sys.path[0
 from _results import environment, environment_markdown, markdown_table, save_run
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -144,9 +145,11 @@ def build(kind: str, bench: BenchConfig) -> Run:
         shard_gpt(model)  # type: ignore[arg-type]
         ScheduleConfig.model_validate(dict(bench.schedule)).apply_to(model)
     elif kind == "torch":
+        # a CPU mesh: without one, torch's fully_shard picks CUDA wherever it is present
+        mesh = init_device_mesh(DEVICE, (dist.get_world_size(),), mesh_dim_names=("shard",))
         for block in model.blocks:  # type: ignore[union-attr]
-            torch_fully_shard(block)
-        torch_fully_shard(model)
+            torch_fully_shard(block, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
     elif kind == "ddp":
         model = DistributedDataParallel(model)
     else:

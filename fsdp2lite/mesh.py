@@ -30,24 +30,26 @@ def default_mesh(device_type: str) -> DeviceMesh:
 
 
 def backend_device_type(preferred: str | None = None) -> str:
-    """The device type a mesh built over the default process group computes on ([Note: device rule]).
-
-    The backend decides: one that talks CUDA (``nccl``, ``cpu:gloo,cuda:nccl``) gives ``"cuda"``, a
-    CPU-only one (``gloo``, ``mpi``) gives ``"cpu"``. A backend that takes any device (the fake process
-    group, custom ones) gives ``preferred`` (the parameters' device type, when they are on a real
-    device) or, without one, ``"cuda"`` when CUDA is available.
-    """
+    """The device type a mesh built over the default process group computes on ([Note: device rule])."""
     require_default_group("fully_shard(mesh=None)")
-    backend = str(dist.get_backend()).lower()
-    parts = {part.rpartition(":")[2] for part in backend.split(",")}
-    devices = {part.rpartition(":")[0] for part in backend.split(",") if ":" in part}
-    if "cuda" in devices or "nccl" in parts:
+    return device_type_for_backend(str(dist.get_backend()), preferred, torch.cuda.is_available())
+
+
+def device_type_for_backend(backend: str, preferred: str | None, cuda_available: bool) -> str:
+    """The backend decides: one that talks CUDA (``nccl``, ``cpu:gloo,cuda:nccl``) gives ``"cuda"``, a
+    CPU-only one (``gloo``, ``cpu:gloo``, ``mpi``) gives ``"cpu"``. A backend that takes any device (the
+    fake process group, custom ones) gives ``preferred`` (the parameters' device type, when they are on
+    a real device) or, without one, ``"cuda"`` when CUDA is available."""
+    parts = [part.strip().lower() for part in backend.split(",")]
+    names = {part.rpartition(":")[2] for part in parts}
+    devices = {part.rpartition(":")[0] for part in parts if ":" in part}
+    if "cuda" in devices or "nccl" in names:
         return "cuda"
-    if parts <= {"gloo", "mpi"}:
+    if names <= {"gloo", "mpi"}:
         return "cpu"
     if preferred is not None:
         return preferred
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available else "cpu"
 
 
 # [Note: device rule]

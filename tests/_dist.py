@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2lite._spawn import exit_rank_process
 
@@ -33,6 +34,12 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, init_file: str, 
     finally:
         dist.destroy_process_group()
     exit_rank_process()  # every check passed: no interpreter finalization ([Note: rank exit])
+
+
+def cpu_mesh() -> DeviceMesh:
+    """A 1D CPU mesh over the default group, axis ``shard``. Tests run gloo, so they mean CPU: torch's own
+    ``fully_shard`` without a mesh would pick CUDA wherever it is present, so its calls get this."""
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
 
 
 def spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from _dist import cpu_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,6 +16,18 @@ RTOL, ATOL = 1e-4, 1e-6
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+def torch_shard(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """The oracle: torch's own ``fully_shard`` on each of ``model.blocks``, then the root, on a CPU mesh
+    (``kwargs`` as torch takes them, e.g. ``mp_policy``)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = cpu_mesh()
+    for block in model.blocks:  # type: ignore[union-attr]
+        torch_fully_shard(block, mesh=mesh, **kwargs)
+    torch_fully_shard(model, mesh=mesh, **kwargs)
+    return model
 
 
 def full(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
 from _models import TINY_GPT, gpt_batch, gpt_loss
+from _parity import torch_shard
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,14 +37,8 @@ def ours(seed: int, mesh: object = None) -> GPT:
 
 
 def theirs(seed: int) -> GPT:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     torch.manual_seed(seed)
-    model = GPT(TINY_GPT)
-    for block in model.blocks:
-        torch_fully_shard(block)
-    torch_fully_shard(model)
-    return model
+    return torch_shard(GPT(TINY_GPT))  # type: ignore[return-value]
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

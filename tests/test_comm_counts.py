@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from _dist import spawn
 from _models import TINY_GPT, gpt_batch, gpt_loss
+from _parity import torch_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp2lite as fl
@@ -114,13 +115,8 @@ def check_inference(rank: int) -> None:
 
 
 def check_not_more_than_torch(rank: int) -> None:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     ours = shard_fl(build())
-    theirs = build()
-    for block in theirs.blocks:
-        torch_fully_shard(block)
-    torch_fully_shard(theirs)
+    theirs = torch_shard(build())
     for step in range(2):
         our_fwd, our_bwd = step_counts(ours, step, rank)
         their_fwd, their_bwd = step_counts(theirs, step, rank)

@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import gc
 import math
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _dist import spawn
+from _parity import torch_shard
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import fsdp2lite as fl
+from fsdp2lite._runtime import group as group_module  # where a group issues its reduce-scatter
 
 D = 128
 
@@ -139,9 +143,67 @@ def check_backward(x: torch.Tensor, ws: int) -> None:
     assert peaks[3] - peaks[2] >= b // 2, peaks
 
 
-def run(rank: int, ws: int) -> None:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+def padded_unsharded_bytes(params: list[nn.Parameter], ws: int, element_size: int) -> int:
+    """Unsharded storage as the runtime allocates it: ceil(dim0 / ws) * ws rows ([Note: unsharded storage])."""
+    return sum(math.ceil(p.shape[0] / ws) * ws * (p.numel() // p.shape[0]) * element_size for p in params)
 
+
+def check_cuda_schedule_mixed_precision(x: torch.Tensor, ws: int) -> None:
+    """CUDA's defaults (forward prefetch depth 0, backward prefetch at pre-backward, pipelined
+    reduce-scatters), run on CPU, with bf16 parameters and fp32 reduction, where a reduce-scatter input
+    (Br, fp32) is twice a block's bf16 parameters (Bp).
+
+    Budget 2S + 2R + 3Bp + Br + 2A: its peak is during a block's backward (the block's parameters, its
+    growing gradients, the next block's all-gather, the previous block's reduce-scatter input). At a
+    post-backward, the previous input is freed before this block's is allocated, and the gradients as
+    soon as the copy-in has read them: watched directly, since the budget's 2S has room for a block.
+    Also at or below torch's fully_shard with the same policy."""
+    policy = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
+    torch.manual_seed(0)
+    reference = Net()
+    params = list(reference.parameters())
+    root = [reference.inp.weight, reference.inp.bias, reference.out.weight, reference.out.bias]
+    s, r = sharded_bytes(params, ws), padded_unsharded_bytes(root, ws, 2)
+    b_param = max(padded_unsharded_bytes(list(block.parameters()), ws, 2) for block in reference.blocks)
+    b_reduce = 2 * b_param  # fp32
+    bf16 = Net().to(torch.bfloat16)
+    a = forward_peak(bf16, x.to(torch.bfloat16)) - nbytes(list(bf16.parameters()))
+    ours = Net()
+    for block in ours.blocks:
+        fl.fully_shard(block, mp_policy=policy)
+    fl.fully_shard(ours, mp_policy=policy)
+    ours.set_forward_prefetch_depth(0)
+    ours.set_late_backward_prefetch(False)
+    ours.set_overlap_reduce_scatter(True)
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    original = group_module.issue_reduce_scatter
+
+    def watched(params: Any, grads: list[torch.Tensor], *args: Any) -> Any:
+        grad_refs = [weakref.ref(g) for g in grads]
+        result = original(params, grads, *args)
+        alive = [ref() for ref in inputs if ref() is not None and ref().untyped_storage().size() > 0]  # type: ignore[union-attr]
+        assert not alive, f"{len(alive)} earlier reduce-scatter input(s) still held when a new one was issued"
+        assert all(ref() is None for ref in grad_refs), "unsharded grads outlived their copy-in"
+        inputs.append(weakref.ref(result.reduce_scatter_input))
+        return result
+
+    group_module.issue_reduce_scatter = watched  # type: ignore[assignment]
+    try:
+        peak = backward_peak(ours, x)
+    finally:
+        group_module.issue_reduce_scatter = original
+    assert len(inputs) >= 2 * len(ours.blocks), "the watched reduce-scatters never ran"
+    limit = 2 * s + 2 * r + 3 * b_param + b_reduce + 2 * a
+    assert peak <= limit, f"CUDA schedule, bf16/fp32: backward peak {peak} > budget {limit} (Bp {b_param})"
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    torch.manual_seed(0)
+    theirs = torch_shard(Net(), mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    their_peak = backward_peak(theirs, x)
+    assert peak <= their_peak, f"bf16/fp32 backward peak: fsdp2lite {peak} > torch fully_shard {their_peak}"
+
+
+def run(rank: int, ws: int) -> None:
     x = torch.randn(2, D)
     peaks = {}
     for depth in (0, 1, 2):
@@ -156,16 +218,14 @@ def run(rank: int, ws: int) -> None:
         assert peaks[depth] <= limit, f"depth {depth}: forward peak {peaks[depth]} > budget {limit}"
     assert peaks[2] > peaks[1], "depth 2 holds one more block in flight"
 
-    theirs = Net()
-    for block in theirs.blocks:
-        torch_fully_shard(block)
-    torch_fully_shard(theirs)
+    theirs = torch_shard(Net())
     their_peak = trained_peak(theirs, x)
     assert peaks[1] <= their_peak, f"fsdp2lite (default prefetch) {peaks[1]} > torch fully_shard {their_peak}"
     our_backward = backward_peak(ours, x)  # the depth-2 model; depth does not matter in backward
     their_backward = backward_peak(theirs, x)
     assert our_backward <= their_backward, f"backward peak: fsdp2lite {our_backward} > torch {their_backward}"
     check_backward(x, ws)
+    check_cuda_schedule_mixed_precision(x, ws)
     dist.barrier()
 
 

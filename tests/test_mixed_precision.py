@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from _dist import spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
-from _parity import train_and_compare
+from _parity import torch_shard, train_and_compare
 from test_comm_counts import collective_kind
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,15 +50,11 @@ class CollectiveDtypes(TorchDispatchMode):
 
 def shard_both(model: nn.Module, policy: dict[str, torch.dtype]) -> tuple[nn.Module, nn.Module]:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    theirs = copy.deepcopy(model)
+    theirs = torch_shard(copy.deepcopy(model), mp_policy=TorchMP(**policy))
     for block in model.blocks:
         fl.fully_shard(block, mp_policy=fl.MixedPrecisionPolicy(**policy))
     fl.fully_shard(model, mp_policy=fl.MixedPrecisionPolicy(**policy))
-    for block in theirs.blocks:
-        torch_fully_shard(block, mp_policy=TorchMP(**policy))
-    torch_fully_shard(theirs, mp_policy=TorchMP(**policy))
     return model, theirs
 
 

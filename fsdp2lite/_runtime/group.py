@@ -242,13 +242,7 @@ class FSDPParamGroup:
                 param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
-        params: list[FSDPParam] = []
-        grads: list[torch.Tensor] = []
-        for param in self.params:
-            grad = param.take_unsharded_grad() if param.requires_grad else None
-            if grad is not None:
-                params.append(param)
-                grads.append(grad)
+        params, grads = self._take_unsharded_grads()  # the list holds the only references
         if not params:
             return
         info = self.mesh_info
@@ -260,6 +254,17 @@ class FSDPParamGroup:
             self._in_place_reduce, self.comm,
         )  # fmt: skip
         self.trace("reduce_scatter_issue")
+
+    def _take_unsharded_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        """The parameters with a gradient this backward, and their unsharded gradients."""
+        params: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for param in self.params:
+            grad = param.take_unsharded_grad() if param.requires_grad else None
+            if grad is not None:
+                params.append(param)
+                grads.append(grad)
+        return params, grads
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter in flight, if any, all-reduce for HSDP, accumulate into grads."""
