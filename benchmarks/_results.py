@@ -62,8 +62,10 @@ def environment(started: datetime.datetime) -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "cuda": torch.version.cuda,
             "fsdp2lite": fsdp2lite.__version__,
         },
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "git": git_state(),
     }
 
@@ -71,7 +73,8 @@ def environment(started: datetime.datetime) -> dict[str, Any]:
 def environment_markdown(env: dict[str, Any]) -> str:
     machine, versions, git = env["machine"], env["versions"], env["git"]
     return (
-        f"- machine: {machine['cpu_model']}, {machine['cpu_count']} cores, {machine['platform']}\n"
+        f"- machine: {machine['cpu_model']}, {machine['cpu_count']} cores, {machine['platform']}"
+        f"{', GPU ' + env['gpu'] if env.get('gpu') else ''}\n"
         f"- versions: python {versions['python']}, torch {versions['torch']}, fsdp2lite {versions['fsdp2lite']}\n"
         f"- git: {git['commit']}, {len(git['uncommitted'])} uncommitted files\n"
         f"- command: `{env['command']}`\n- timestamp: {env['timestamp']}\n"

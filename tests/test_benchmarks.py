@@ -11,6 +11,8 @@ import fsdp2lite as fl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the scripts import siblings
 
+import bench_gpu  # noqa: E402
+import bench_host  # noqa: E402
 import bench_step  # noqa: E402
 
 
@@ -77,3 +79,61 @@ def test_variant_runs_are_named_by_their_schedule(tmp_path: Path) -> None:
         "params-overlap_reduce_scatter=true-cpu-20260102-030405.md",
     ]
     assert "fsdp2lite schedule: {'overlap_reduce_scatter': True}" in Path(files[1]).read_text()
+
+
+# ---- bench_host.py and bench_gpu.py -------------------------------------------------------------
+
+
+def test_bench_host_runs_both_libraries_on_fake_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny run end to end: both libraries step under FakeTensorMode on the fake process group, the
+    ratio is the median of per-step ratios, and the files carry the numbers."""
+    import json
+
+    bench_host.main([
+        "--world-size", "4", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+        "--vocab", "64", "--steps", "3", "--warmup", "1", "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["host_ms"]) == {"fsdp2lite", "torch"} and all(len(v) == 3 for v in result["host_ms"].values())
+    ratios = [a / b for a, b in zip(result["host_ms"]["fsdp2lite"], result["host_ms"]["torch"])]
+    assert result["ratio_fsdp2lite_vs_torch"] == pytest.approx(sorted(ratios)[1])
+    assert result["target"]["ok"] == (result["ratio_fsdp2lite_vs_torch"] <= bench_host.TARGET)
+    assert sorted(Path(f).suffix for f in result["files"]) == [".json", ".md"]
+    assert json.loads(Path(result["files"][0]).read_text())["world_size"] == 4
+
+
+def test_bench_host_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, needle in ((["--layers", "0"], "--layers"), (["--d-model", "30", "--heads", "4"], "multiple of")):
+        with pytest.raises(SystemExit) as info:
+            bench_host.parse_args(argv)
+        assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_bench_gpu_presets_and_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench_gpu.parse_args(["--runs", "w8, w64", "--dtypes", "bf16,fp32"])
+    assert args.runs == ["w8", "w64"] and args.dtypes == ["bf16", "fp32"]
+    assert bench_gpu.parse_args([]).runs == ["w1", "w8", "w64"]  # the three shapes of issue 10
+
+    def shape(name: str) -> tuple[object, ...]:
+        run = bench_gpu.RUNS[name]
+        return (run.mode, run.world_size, run.model.d_model, run.model.n_layers, run.model.seq_len, run.batch)
+
+    assert shape("w8") == ("fake", 8, 2048, 16, 2048, 4)
+    assert shape("w64") == ("fake", 64, 4096, 8, 4096, 1)
+    assert bench_gpu.RUNS["w1"].mode == "real" and bench_gpu.RUNS["w1"].world_size == 1
+    for argv, needle in ((["--runs", "w9"], "w9"), (["--dtypes", "fp8"], "fp8"), (["--steps", "1"], "--steps")):
+        with pytest.raises(SystemExit) as info:
+            bench_gpu.parse_args(argv)
+        assert info.value.code == 2 and needle in capsys.readouterr().err
+    assert bench_gpu.median_ratio([2.0, 1.0, 3.0], [1.0, 2.0, 3.0]) == 1.0
+
+
+@pytest.mark.gpu
+def test_bench_gpu_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    bench_gpu.main(["--runs", "tiny", "--dtypes", "bf16,fp32", "--steps", "2", "--warmup", "1", "--no-save"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["run"], r["dtype"]) for r in result["runs"]] == [("tiny", "bf16"), ("tiny", "fp32")]
+    for run in result["runs"]:
+        assert run["time_ratio"] > 0 and run["mem_ratio"] > 0

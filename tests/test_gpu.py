@@ -96,6 +96,9 @@ def test_cpu_offload_on_cuda() -> None:
     model = shard(copy.deepcopy(ref).cpu(), offload_policy=fl.CPUOffloadPolicy(pin_memory=True))
     for name, p in model.named_parameters():
         assert p.to_local().device.type == "cpu" and p.to_local().is_pinned(), name
+        assert p.device_mesh.device_type == "cuda", name  # NCCL job: the GPU computes
+    seen: list[torch.device] = []
+    model.blocks[0].attn.qkv.register_forward_hook(lambda m, i, o: seen.append(m.weight.device))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
     for step in range(3):
         losses = []
@@ -103,8 +106,10 @@ def test_cpu_offload_on_cuda() -> None:
             loss = gpt_loss(m, on_device(gpt_batch(step, 0)))
             loss.backward()
             if m is model:
+                assert seen and seen[-1] == DEVICE, seen  # all-gathered onto the GPU for compute
                 for name, p in m.named_parameters():
-                    assert p.grad.to_local().device.type == "cpu", name
+                    local = p.grad.to_local()
+                    assert local.device.type == "cpu" and local.is_pinned(), name
             opt.step()  # the offloaded model's optimizer steps on the host
             opt.zero_grad()
             losses.append(loss)
@@ -159,7 +164,9 @@ def test_cuda_schedule_uses_side_streams_and_prefetches() -> None:
     assert prefetch < waited, names
 
 
-def test_peak_memory_not_above_torch_fully_shard() -> None:
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-fp32-reduce"])
+def test_peak_memory_not_above_torch_fully_shard(mixed_precision: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     cfg = TINY_GPT.__class__(vocab_size=1024, seq_len=64, d_model=512, n_heads=8, n_layers=4, tie_embeddings=False)
@@ -168,11 +175,13 @@ def test_peak_memory_not_above_torch_fully_shard() -> None:
         torch.manual_seed(0)
         model = GPT(cfg).to(DEVICE)
         if which == "ours":
-            shard(model)
+            policy = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32") if mixed_precision else None
+            shard(model, mp_policy=policy)
         else:
+            kwargs = {"mp_policy": TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
             for block in model.blocks:
-                torch_fully_shard(block)
-            torch_fully_shard(model)
+                torch_fully_shard(block, **(kwargs if mixed_precision else {}))
+            torch_fully_shard(model, **(kwargs if mixed_precision else {}))
         batch = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), device=DEVICE)
         model.loss(batch[:, :-1], batch[:, 1:]).backward()  # warm-up: lazy init, allocator
         for p in model.parameters():
