@@ -2,7 +2,8 @@
 
 ``tracked_peak(step, model, optimizer)`` runs ``step()`` under torch's ``MemTracker`` and returns the
 bytes per category at the moment the tracked Total peaked; ``count_collectives(step)`` runs it under
-``CollectiveCounter`` and returns calls and bytes per c10d op.
+``CollectiveCounter`` and returns calls and bytes per c10d op; ``count_ops(step)`` counts every aten op
+dispatched (the host work a step asks of torch, independent of timing noise).
 """
 
 from __future__ import annotations
@@ -66,6 +67,27 @@ class CollectiveCounter(TorchDispatchMode):
         if "reduce_scatter" in name:
             return _tensor_bytes(args[0] if functional else args[1])
         return _tensor_bytes(args[0])
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that reaches the dispatcher below Python, by name (``aten::copy_``, ...).
+
+    Each is host work on any device (argument parsing, dispatch, a kernel launch on CUDA), so the
+    count is a noise-free proxy for a step's host time: a per-parameter loop shows up as N ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step: Callable[[], object]) -> Counter[str]:
+    with OpCounter() as counter:
+        step()
+    return counter.calls
 
 
 def count_collectives(step: Callable[[], None]) -> CommStats:

@@ -9,7 +9,8 @@ collective moves data, and fake tensors run no kernels: what a step costs is the
 work plus the (identical) dispatch of the model's ops. That is the time that, on a GPU, decides
 whether the host keeps the GPU fed. Steps are forward, loss, backward, AdamW step, zero_grad,
 interleaved (fsdp2lite, torch, torch, fsdp2lite, ...) after warm-up; reported: the median host ms per
-step of each, and the median of per-step ratios fsdp2lite / torch (the target is <= 0.9).
+step of each, the median of per-step ratios fsdp2lite / torch (the target is <= 0.9), and the aten ops
+each library dispatches in one step (``_meters.OpCounter``: noise-free, the same on every machine).
 
 Why: issue 10. On an H100 fsdp2lite spent about 2x torch's host time per step and left the GPU idle;
 this measures the same gap on any machine, without a GPU.
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _meters import count_ops
 from _results import environment, environment_markdown, markdown_table, save_run
 from rich.console import Console
 from rich.table import Table
@@ -123,6 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device=args.device)
         steps = {name: step_fn(model, opt, tokens) for name, (model, opt) in models.items()}
         times = time_interleaved(steps, args.warmup, args.steps)
+        ops = {name: count_ops(step) for name, step in steps.items()}
         profiles = {name: profile_table(step, 3) for name, step in steps.items()} if args.profile else {}
     n_params = _count_params(cfg)
     ratios = [a / b for a, b in zip(times["fsdp2lite"], times["torch"], strict=True)]
@@ -137,6 +140,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "host_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
         "host_ms_median": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
         "ratio_fsdp2lite_vs_torch": statistics.median(ratios),
+        "ops_per_step": {name: sum(calls.values()) for name, calls in ops.items()},
+        "ops_by_name": {name: dict(calls.most_common(15)) for name, calls in ops.items()},
         "target": {"limit": TARGET, "ok": statistics.median(ratios) <= TARGET},
         "profiles": profiles,
     }
@@ -147,7 +152,7 @@ def _count_params(cfg: GPTConfig) -> int:
         return sum(p.numel() for p in GPT(cfg).parameters())
 
 
-COLUMNS = ("library", "host ms/step (median)", "min", "max", "vs torch")
+COLUMNS = ("library", "host ms/step (median)", "min", "max", "vs torch", "aten ops/step")
 
 
 def rows(result: dict[str, Any]) -> list[list[str]]:
@@ -155,7 +160,10 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     for name in LIBRARIES:
         ms = result["host_ms"][name]
         ratio = f"{result['ratio_fsdp2lite_vs_torch']:.3f}" if name == "fsdp2lite" else "1.000"
-        out.append([name, f"{result['host_ms_median'][name]:.1f}", f"{min(ms):.1f}", f"{max(ms):.1f}", ratio])
+        out.append([
+            name, f"{result['host_ms_median'][name]:.1f}", f"{min(ms):.1f}", f"{max(ms):.1f}", ratio,
+            str(result["ops_per_step"][name]),
+        ])  # fmt: skip
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from _dist import cpu_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,12 +19,12 @@ Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
-def torch_shard(model: nn.Module, **kwargs: Any) -> nn.Module:
-    """The oracle: torch's own ``fully_shard`` on each of ``model.blocks``, then the root, on a CPU mesh
-    (``kwargs`` as torch takes them, e.g. ``mp_policy``)."""
+def torch_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:
+    """The oracle: torch's own ``fully_shard`` on each of ``model.blocks``, then the root, on ``mesh``
+    (default: a CPU mesh over the default group; ``kwargs`` as torch takes them, e.g. ``mp_policy``)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    mesh = cpu_mesh()
+    mesh = mesh or cpu_mesh()
     for block in model.blocks:  # type: ignore[union-attr]
         torch_fully_shard(block, mesh=mesh, **kwargs)
     torch_fully_shard(model, mesh=mesh, **kwargs)

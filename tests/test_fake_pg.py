@@ -73,3 +73,48 @@ def test_hsdp_at_1024_ranks(fake_rank: int) -> None:
         gpt_loss(model, gpt_batch(0, fake_rank)).backward()
     comm = {str(op): n for op, n in mode.get_comm_counts().items()}
     assert sum(n for op, n in comm.items() if "allreduce" in op) == TINY_GPT.n_layers + 1, comm
+
+
+def test_host_ops_per_step_not_above_torch() -> None:
+    """The runtime's host work, counted instead of timed: the aten ops one training step dispatches
+    (bf16 params, fp32 reduce, AdamW) under FakeTensorMode on the fake process group, against torch's
+    fully_shard on the same model. A per-parameter loop in the hot path ([Note: hot path]) would add
+    ops per parameter per step and fail this; the count is the same on every machine, whatever its load.
+    benchmarks/bench_host.py reports the same count beside the host time."""
+    import sys
+    from pathlib import Path
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from _meters import count_ops
+    from _parity import torch_shard
+
+    cfg = TINY_GPT.__class__(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4, tie_embeddings=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("shard",))  # outside the fake mode
+        with FakeTensorMode():
+            ours, theirs = GPT(cfg), GPT(cfg)
+            policy = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
+            for block in ours.blocks:
+                fl.fully_shard(block, mesh, mp_policy=policy)
+            fl.fully_shard(ours, mesh, mp_policy=policy)
+            torch_shard(theirs, mesh, mp_policy=TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+            counts = {}
+            for name, model in (("fsdp2lite", ours), ("torch", theirs)):
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+                def step(model: GPT = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
+                    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+                step()  # lazy init, optimizer state
+                calls = count_ops(step)
+                counts[name] = sum(n for op, n in calls.items() if op.startswith("aten::"))
+    finally:
+        dist.destroy_process_group()
+    assert counts["fsdp2lite"] <= counts["torch"], counts

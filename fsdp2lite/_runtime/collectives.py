@@ -29,7 +29,8 @@ allocates its own (``RootContext.finish_pending_reduce_scatter``): one reduce-sc
 
 [Note: hot path]
 Everything here runs once per group per use, so it is written as a few ops over the whole group, never
-a loop of ops per parameter: copy-in is one ``_foreach_copy_`` into views of the flat buffer; copy-out
+a loop of ops per parameter: copy-in is one ``cat`` into this rank's slot (one ``_foreach_copy_`` from
+pinned host shards under CPU offload, non-blocking); copy-out
 is one ``split_with_sizes_copy`` into each parameter's padded unsharded storage ([Note: unsharded
 storage]); the reduce-scatter copy-in is one ``_chunk_cat`` (it pads each gradient to whole chunks,
 exactly the padded-shard layout); the sharded gradients are ``as_strided`` views of the reduced output
@@ -69,6 +70,20 @@ _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 _all_reduce = dist.all_reduce
+
+
+@torch.library.custom_op("fsdp2lite::chunk_cat", mutates_args=("out",))
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """``torch._chunk_cat`` along dim 0 into ``out``, as an op of our own so that it has a fake kernel:
+    under ``FakeTensorMode`` (simulated ranks, memory planning) aten's ``_chunk_cat`` has none and is
+    decomposed into a few ops per gradient; this one checks nothing and writes nothing, like any fake
+    kernel of an out= op. On real tensors it is the one aten kernel."""
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+@chunk_cat.register_fake
+def _chunk_cat_fake(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    return None
 
 
 def reduces_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -146,8 +161,10 @@ def issue_all_gather(
     with comm.on("all_gather_copy_in"):
         all_gather_output = torch.empty(group_size * group_numel, dtype=dtype, device=comm.device)
         all_gather_input = all_gather_output.narrow(0, group_rank * group_numel, group_numel)  # (group_numel,)
-        # copy-in, cast to the all-gather dtype in the same pass; non-blocking from pinned host shards
-        torch._foreach_copy_(torch.split(all_gather_input, numels), sources, non_blocking=True)
+        if sources[0].device == all_gather_input.device:  # copy-in, cast to the all-gather dtype: one op
+            torch.cat(sources, out=all_gather_input)
+        else:  # CPU offload: host shards (one group, one policy), non-blocking from pinned memory
+            torch._foreach_copy_(torch.split(all_gather_input, numels), sources, non_blocking=True)
     copied_in = comm.record("all_gather_copy_in")
     with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
         work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
@@ -218,7 +235,7 @@ def issue_reduce_scatter(
     reduce_scatter_input = torch.empty(shard_size * group_numel, dtype=dtype, device=comm.device)
     rank_major = reduce_scatter_input.view(shard_size, group_numel)
     # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
-    torch._chunk_cat(grads, dim=0, num_chunks=shard_size, out=rank_major)
+    chunk_cat(grads, shard_size, rank_major)
     grads.clear()  # the last references: the grads are freed now
     if in_place:
         reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]

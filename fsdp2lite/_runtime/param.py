@@ -230,10 +230,10 @@ class FSDPParam:
             self.unsharded_flat = storage.data
             self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
             return self.unsharded_flat
-        storage = self.unsharded_flat.untyped_storage()
+        untyped = self.unsharded_flat.untyped_storage()
         nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)  # [Note: unsharded storage]
+        if untyped.size() != nbytes:
+            untyped.resize_(nbytes)  # [Note: unsharded storage]
         return self.unsharded_flat
 
     def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
