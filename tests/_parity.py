@@ -21,7 +21,11 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 def torch_shard(model: nn.Module, mesh: DeviceMesh | None = None, **kwargs: Any) -> nn.Module:
     """The oracle: torch's own ``fully_shard`` on each of ``model.blocks``, then the root, on ``mesh``
-    (default: a CPU mesh over the default group; ``kwargs`` as torch takes them, e.g. ``mp_policy``)."""
+    (default: a CPU mesh over the default group; ``kwargs`` as torch takes them, e.g. ``mp_policy``).
+    Never torch's own default: without a mesh it picks CUDA whenever CUDA is present, even on a gloo
+    group, and gloo's all-gather into CUDA tensors reads device memory from the host (SIGSEGV in
+    ``gloo::allgather``, pytorch/pytorch#152645): the likeliest cause of the checkpoint test's crash on a
+    machine with a GPU (issue 10)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = mesh or cpu_mesh()
