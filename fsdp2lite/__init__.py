@@ -8,7 +8,7 @@ fl.fully_shard(model)
 
 from __future__ import annotations
 
-from .api import FSDPModule, UnshardHandle, fully_shard
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .mesh import init_mesh
@@ -33,5 +33,6 @@ __all__ = [
     "load_checkpoint",
     "plan_config",
     "record_trace",
+    "register_fsdp_forward_method",
     "save_checkpoint",
 ]

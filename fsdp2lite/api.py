@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._runtime.group import FSDPParamGroup, check_post_forward_size
+from ._runtime.group import FSDPParamGroup, check_post_forward_dims, check_post_forward_size
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
-from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
+from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 M = TypeVar("M", nn.Module, list[nn.Module])
@@ -136,6 +137,84 @@ class FSDPModule:
             raise ValueError(f"{method}: {type(self).__name__} owns no parameters, so it has no group to prefetch from")
         return group
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the coming backward is the last of this step (default True). Microbatching with
+        gradient sync on: set False before all but the last microbatch's backward; their end of
+        backward leaves reductions in flight (overlapping the next microbatch's forward) instead of
+        waiting for them. The sharded gradients are complete after a backward with True. Applies to the
+        whole model under the root (lazy init decides the root; before it, set it on the root)."""
+        _check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state
+        context = state.root_context
+        if context is not None:
+            context.is_last_backward = is_last_backward
+        else:
+            state.step_settings["is_last_backward"] = is_last_backward  # taken by lazy init
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: never all-gather this module's group in backward (nor prefetch it), for a group whose
+        backward needs no parameter values (an embedding: its weight gradient needs only the indices).
+        Its gradients are still reduced. Wrong for a group that does need them (e.g. a Linear)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Call ``hook(reduced)`` once per backward on this module's group's reduced gradient: the
+        flat reduce-scatter output (HSDP: the all-reduce output), summed over the data-parallel ranks
+        and not yet divided; it may change it in place (e.g. a custom replica all-reduce). ``stream``
+        (CUDA, not with HSDP): run the hook there instead of on the compute stream."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(tensor) -> None, got {type(hook).__name__}")
+        group = self._own_group("set_all_reduce_hook")
+        if stream is not None:
+            if not isinstance(stream, torch.cuda.Stream):
+                raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+            if group.mesh_info.device.type != "cuda":
+                raise ValueError(
+                    "set_all_reduce_hook(stream=...) needs a CUDA mesh; this group is on a "
+                    f"'{group.mesh_info.device.type}' mesh: pass no stream"
+                )
+            if group.mesh_info.replicate_group is not None:
+                raise ValueError(
+                    "set_all_reduce_hook(stream=...) cannot be set with HSDP: the hook runs after the replica "
+                    "all-reduce, on its stream"
+                )
+        group.all_reduce_hook = hook
+        group.all_reduce_hook_stream = stream
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """CUDA: the next root pre-forward's all-gathers wait on ``event`` (recorded after
+        ``optimizer.step()``) instead of on everything queued on the compute stream, so unrelated work
+        queued after the step does not delay them. Used once, then dropped: set a new event each step."""
+        if not isinstance(event, torch.Event | torch.cuda.Event):
+            raise TypeError(
+                f"set_post_optim_event takes a torch.Event (or torch.cuda.Event), got {type(event).__name__}"
+            )
+        group = self._own_group("set_post_optim_event")
+        if group.mesh_info.device.type != "cuda":
+            raise ValueError(
+                f"set_post_optim_event orders CUDA streams; this model is on a '{group.mesh_info.device.type}' mesh, "
+                "where collectives already follow the optimizer step in program order: drop the call"
+            )
+        state = self._fsdp_state
+        context = state.root_context
+        if context is not None:
+            context.post_optim_event = event
+        else:
+            state.step_settings["post_optim_event"] = event  # taken by lazy init
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce zeros for parameters that got no gradient in a backward (and for groups that did not
+        run at all on this rank), so ranks that used different parameters (mixture of experts,
+        conditional branches) issue the same collectives and their gradients average as with
+        DDP's ``find_unused_parameters``. Default False: a parameter without a gradient is skipped."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
@@ -173,6 +252,31 @@ class FSDPModule:
         return result
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` (e.g. ``generate``) between the pre- and post-forward work, as
+    ``forward`` is: its group is all-gathered before the method and resharded after it (per
+    ``reshard_after_forward``), and forwards the method calls on the module run inside that one pass.
+    A module that is not an ``FSDPModule`` is left alone (like torch's, so one script serves both)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_fsdp_forward_method takes an nn.Module, got {type(module).__name__}")
+    if not isinstance(method_name, str):
+        raise TypeError(f"method_name must be a str, got {type(method_name).__name__}")
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        methods = sorted(n for n in dir(type(module)) if not n.startswith("_") and callable(getattr(module, n, None)))
+        hint = ", ".join(m for m in methods if m in ("generate", "forward", "encode", "decode")) or "forward"
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} (e.g. {hint})")
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def forward_method(*args: Any, **kwargs: Any) -> Any:
+        return state.run_forward_method(module, method, args, kwargs)
+
+    setattr(module, method_name, forward_method)
+
+
 def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:
     if not isinstance(modules, list | tuple):
         raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
@@ -197,6 +301,7 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     *,
     reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -205,10 +310,14 @@ def fully_shard(
 
     Args:
         module: a module with a ``forward``, or a non-empty list of them forming one group.
-        mesh: a 1D ``DeviceMesh``; None builds one over the default process group.
+        mesh: a 1D ``DeviceMesh``, or 2D ``(replicate, shard)`` for HSDP; None builds a 1D one over the
+            default process group. Parameters that tensor parallelism already made DTensors on a
+            sibling mesh (``mesh["tp"]`` beside ``mesh["dp"]``) are sharded over this one too.
         reshard_after_forward: free the unsharded parameters after forward (True), keep them until
             backward (False), keep a k-rank shard so backward all-gathers over k ranks (int k, a
             divisor of the shard group size), or None: False for the root, True for every other group.
+        shard_placement_fn: ``fn(param) -> Shard(d) | None`` picks the dim each parameter is sharded
+            on (``torch.chunk`` along it); None (or a None result) shards dim 0.
         mp_policy: dtypes of the all-gather/compute (param_dtype), the gradient reduction
             (reduce_dtype), outputs and inputs; None: no casts. Sharded parameters and their
             gradients keep the parameters' own dtype.
@@ -224,11 +333,15 @@ def fully_shard(
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
     _check_group_dtypes(owned, policy)
+    _check_tp_params(owned, mesh_info)
+    dims = _shard_dims(shard_placement_fn, owned)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         check_post_forward_size(reshard_after_forward, mesh_info.shard_size)
+        if 1 < reshard_after_forward < mesh_info.shard_size:
+            check_post_forward_dims(reshard_after_forward, [(fqn, dim) for (fqn, _, _), dim in zip(owned, dims)])
     params = tuple(
-        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy)
-        for fqn, param, places in owned
+        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy, shard_dim=dim)
+        for (fqn, param, places), dim in zip(owned, dims)
     )
     _accept_full_tensors_on_load(params)
     group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
@@ -239,11 +352,54 @@ def fully_shard(
     return module
 
 
+def _shard_dims(fn: Any, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> list[int]:
+    """The dim each parameter is sharded on: ``fn(param)`` as ``Shard(d)``, or 0 for None."""
+    if fn is None:
+        return [0] * len(owned)
+    if not callable(fn):
+        raise TypeError(f"shard_placement_fn must be a callable param -> Shard(dim) | None, got {type(fn).__name__}")
+    dims = []
+    for fqn, param, places in owned:
+        placement = fn(param)
+        owner = type(places[0][0]).__name__
+        if placement is None:
+            dims.append(0)
+            continue
+        if not isinstance(placement, Shard) or isinstance(placement, _StridedShard):
+            raise TypeError(
+                f"shard_placement_fn returned {placement!r} for parameter '{fqn}' of {owner}; it must return "
+                "Shard(dim) or None (Shard(0))"
+            )
+        shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # type: ignore[attr-defined]
+        ndim = len(shape)
+        if not -ndim <= placement.dim < ndim:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of {owner}, of shape "
+                f"{tuple(shape)}: it has no dim {placement.dim}; valid: Shard(0) .. Shard({ndim - 1}) "
+                f"(or -{ndim} .. -1)"
+            )
+        dims.append(placement.dim % ndim)
+    return dims
+
+
+def _check_tp_params(owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], info: MeshInfo) -> None:
+    """DTensor parameters (tensor parallel) must live on a sibling of the fully_shard mesh."""
+    for fqn, param, places in owned:
+        if isinstance(param, DTensor):
+            problem = check_tp_mesh(info, param._spec)  # type: ignore[attr-defined]
+            if problem is not None:
+                raise ValueError(
+                    f"parameter '{fqn}' of {type(places[0][0]).__name__} is a DTensor (tensor parallel?) but {problem}"
+                )
+
+
 def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
     """``load_state_dict`` takes plain full tensors too: a pre-hook on each module that holds a managed
     parameter replaces a full-shaped plain tensor by this rank's shard (DTensors pass through)."""
     by_module: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
     for param in params:
+        if param.tp_spec is not None:
+            continue  # tensor parallel: a full tensor needs its tp piece first; load DTensors instead
         for place in param.places:
             by_module.setdefault(id(place.module), (place.module, []))[1].append((place.name, param))
     for module, entries in by_module.values():
@@ -399,9 +555,9 @@ def _collect_params(
 
 
 def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str]) -> None:
-    if isinstance(param, DTensor):
+    if isinstance(param, DTensor) and getattr(param, "_fsdp2lite_sharded", False):
         raise ValueError(
-            f"parameter '{fqn}' of {owner} is already a DTensor: fully_shard was applied to a module "
+            f"parameter '{fqn}' of {owner} is already sharded: fully_shard was applied to a module "
             "that encloses it first. Apply fully_shard bottom-up: submodules first, then the root"
         )
     if id(param) in taken:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def require_default_group(caller: str) -> None:
@@ -152,3 +154,88 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself when it was not): ``mesh["dp"]`` -> the (dp, tp) mesh."""
+    getter = getattr(mesh, "_get_root_mesh", None)  # torch >= 2.8
+    if getter is not None:
+        return getter()
+    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6, 2.7
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def check_tp_mesh(info: MeshInfo, tp_spec: DTensorSpec) -> str | None:
+    """Why a DTensor parameter on ``tp_spec``'s mesh cannot be sharded over ``info``'s mesh, or None.
+
+    Tensor parallel + FSDP needs both meshes sliced from one parent by dim name, with no dim in
+    common: ``fully_shard(block, mesh=mesh["dp"])`` for parameters placed on ``mesh["tp"]``."""
+    dp_names, tp_names = info.mesh.mesh_dim_names, tp_spec.mesh.mesh_dim_names
+    if any(not placement.is_shard() and not placement.is_replicate() for placement in tp_spec.placements):
+        placements = tuple(tp_spec.placements)
+        return f"its placements {placements} hold a partial value; only Shard and Replicate can be sharded"
+    if dp_names is None or tp_names is None:
+        return "its mesh or the fully_shard mesh has unnamed dims; slice both from one mesh with named dims"
+    if set(dp_names) & set(tp_names):
+        common = sorted(set(dp_names) & set(tp_names))
+        return f"its mesh {tp_names} shares dims {common} with the fully_shard mesh {dp_names}"
+    try:
+        dp_tp_mesh(info.mesh, tp_spec.mesh)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+_combined: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
+
+
+def dp_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh whose dims are ``dp_mesh``'s then ``tp_mesh``'s, both sliced from one parent: what a
+    parameter sharded by both lives on. Raises ValueError when they do not come from one parent."""
+    key = (dp_mesh, tp_mesh)
+    if key in _combined:
+        return _combined[key]
+    names = (*(dp_mesh.mesh_dim_names or ()), *(tp_mesh.mesh_dim_names or ()))
+    hint = (
+        "build one mesh (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) and pass mesh['dp'] to "
+        "fully_shard and mesh['tp'] to parallelize_module"
+    )
+    concatenate = getattr(DeviceMesh, "_concatenate", None)  # torch >= 2.9: by layout, as torch's FSDP does
+    if concatenate is not None:
+        try:
+            combined = concatenate([dp_mesh, tp_mesh])
+        except RuntimeError as error:
+            raise ValueError(
+                f"its mesh {tp_mesh.mesh_dim_names} and the fully_shard mesh do not combine ({error}); {hint}"
+            ) from None
+    else:
+        root = root_mesh(dp_mesh)
+        if root_mesh(tp_mesh) != root or root.mesh_dim_names is None:
+            raise ValueError(
+                f"its mesh {tp_mesh.mesh_dim_names} is not a sub-mesh of the fully_shard mesh's parent; {hint}"
+            )
+        combined = root if tuple(root.mesh_dim_names) == names else root[names]
+    _combined[key] = combined
+    return combined
+
+
+def sharded_placements(
+    info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None = None
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a parameter sharded on ``shard_dim`` over ``info``'s mesh.
+
+    ``(Shard(d),)``, or ``(Replicate(), Shard(d))`` for HSDP. Under tensor parallelism
+    ([Note: tensor parallel]) the mesh is the dp dims then the tp dims, each with its placement; the
+    shard placement becomes ``_StridedShard(d, split_factor=k)`` when tp dims already split dim d k
+    ways (FSDP shards the tp pieces, not the whole tensor)."""
+    dp: tuple[Placement, ...] = (Shard(shard_dim),) if info.replicate_group is None else (Replicate(), Shard(shard_dim))
+    if tp_spec is None:
+        return info.mesh, dp
+    split = 1
+    for index, placement in enumerate(tp_spec.placements):
+        if placement.is_shard(shard_dim):
+            split *= tp_spec.mesh.size(index)
+    if split > 1:
+        dp = (*dp[:-1], _StridedShard(shard_dim, split_factor=split))
+    return dp_tp_mesh(info.mesh, tp_spec.mesh), (*dp, *tp_spec.placements)

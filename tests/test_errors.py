@@ -45,7 +45,7 @@ def test_already_sharded() -> None:
 def test_top_down_is_rejected() -> None:
     model = UnevenMLP()
     fl.fully_shard(model)
-    with pytest.raises(ValueError, match=r"'up.weight' of Linear is already a DTensor.*bottom-up"):
+    with pytest.raises(ValueError, match=r"'up.weight' of Linear is already sharded.*bottom-up"):
         fl.fully_shard(model.blocks[0])
     assert not isinstance(model.blocks[0], fl.FSDPModule)
 

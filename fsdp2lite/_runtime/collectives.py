@@ -56,6 +56,7 @@ On every other backend (NCCL, the fake process group) the reduce-scatter is a na
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -196,22 +197,22 @@ def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> 
     Returns (buffer (group_numel,), padded numel per parameter). Chunking follows torch.chunk, padded
     like the main shards, so ``copy_out_all_gather`` restores the parameters from a ``size``-rank gather.
     """
-    padded_rows = [math.ceil(p.orig_shape[0] / size) for p in params]
+    padded_rows = [math.ceil(p.gather_shape[0] / size) for p in params]
     numels = [rows * _row_numel(p) for p, rows in zip(params, padded_rows)]
     buffer = torch.zeros(sum(numels), dtype=params[0].param_dtype, device=params[0].device)
     offset = 0
     for param, rows, numel in zip(params, padded_rows, numels):
-        unsharded = param.unsharded_param
+        unsharded = param.unsharded_local
         if unsharded is None:
             raise RuntimeError(f"{param.fqn}: resharding to a post-forward group before it was unsharded")
-        local = unsharded.detach().view(param.orig_shape[0], -1)[rank * rows : (rank + 1) * rows]  # may be short
+        local = unsharded.detach().view(param.gather_shape[0], -1)[rank * rows : (rank + 1) * rows]  # may be short
         buffer[offset : offset + local.numel()].copy_(local.reshape(-1))
         offset += numel
     return buffer, numels
 
 
 def _row_numel(param: FSDPParam) -> int:
-    return param.orig_shape.numel() // param.orig_shape[0]
+    return param.gather_shape.numel() // param.gather_shape[0]
 
 
 def issue_reduce_scatter(
@@ -255,6 +256,8 @@ def finish_reduce_scatter(
     replicate_group: dist.ProcessGroup | None,
     all_reduce: bool,
     comm: Comm,
+    hook: Callable[[torch.Tensor], None] | None = None,
+    hook_stream: torch.cuda.Stream | None = None,
 ) -> torch.cuda.Event | None:
     """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas; average; accumulate into
     each sharded ``.grad``. Returns an event after the device-to-host gradient copy of CPU offload
@@ -281,9 +284,26 @@ def finish_reduce_scatter(
             work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
         comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
         del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
+    if hook is not None:
+        _run_all_reduce_hook(hook, hook_stream, output)
     if divide_factor != 1.0:
         output.div_(divide_factor)
     return accumulate_sharded_grads(output, result.params)
+
+
+def _run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None, output: torch.Tensor
+) -> None:
+    """The user's hook on the group's reduced flat gradient (summed over the data-parallel ranks, before
+    the division), on ``stream`` if one was given (CUDA), ordered both ways with the compute stream."""
+    if stream is None:
+        hook(output)
+        return
+    current = torch.cuda.current_stream(output.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(output)
+    current.wait_stream(stream)
 
 
 def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.cuda.Event | None:

@@ -41,6 +41,7 @@ class Comm:
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
     recorder: TraceRecorder | None  # None: tracing off, and free
+    wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -49,6 +50,7 @@ class Comm:
             # high priority so communication kernels are not starved by compute kernels
             self.streams = {name: torch.cuda.Stream(device, priority=-1) for name in STREAM_NAMES}
         self.recorder = None
+        self.wait_instead = None
 
     @property
     def async_work(self) -> bool:
@@ -64,7 +66,10 @@ class Comm:
             yield
             return
         stream = self.streams[name]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs written, reused blocks read
+        if self.wait_instead is not None:  # the user's post-optimizer event: set_post_optim_event
+            stream.wait_event(self.wait_instead)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs written, reused blocks read
         with torch.cuda.stream(stream):
             yield
 

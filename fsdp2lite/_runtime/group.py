@@ -13,6 +13,7 @@ for (shard_size / k) times the sharded bytes held between forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
@@ -63,6 +64,19 @@ def check_post_forward_size(value: int, shard_size: int) -> None:
         )
 
 
+def check_post_forward_dims(value: int, params: tuple[FSDPParam, ...] | list[tuple[str, int]]) -> None:
+    """Resharding to k ranks after forward keeps dim-0 chunks: parameters sharded on another dim
+    (``shard_placement_fn``) cannot; raises naming them. ``params``: FSDPParams or (fqn, shard dim)."""
+    dims = [(p.fqn, p.shard_dim) if isinstance(p, FSDPParam) else p for p in params]
+    other = [f"{fqn} (Shard({dim}))" for fqn, dim in dims if dim != 0]
+    if other:
+        raise ValueError(
+            f"reshard_after_forward={value} reshards to groups of {value} ranks on dim 0, but these parameters "
+            f"are sharded on another dim: {', '.join(other)}; use True or False for this group, or shard "
+            "them on dim 0"
+        )
+
+
 class FSDPParamGroup:
     """The parameters of one fully_shard call and their collectives."""
 
@@ -77,6 +91,10 @@ class FSDPParamGroup:
     requires_gradient_sync: bool
     requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
     gradient_divide_factor: float | None  # None: the data-parallel size (an average)
+    unshard_in_backward: bool  # False: backward never all-gathers this group (its backward needs no values)
+    reduce_scatter_unused_params: bool  # reduce zeros for parameters that got no gradient this backward
+    all_reduce_hook: Callable[[torch.Tensor], None] | None  # called on the reduced flat gradient
+    all_reduce_hook_stream: torch.cuda.Stream | None  # CUDA: where the hook runs
     sharded_state: ShardedState
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
@@ -98,6 +116,7 @@ class FSDPParamGroup:
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
+        self._other_dim_params = tuple(p for p in params if p.shard_dim != 0)
         self.modules = modules
         self.mesh_info = mesh_info
         self.post_forward_group = None
@@ -106,6 +125,10 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.gradient_divide_factor = None
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
+        self.all_reduce_hook = None
+        self.all_reduce_hook_stream = None
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
@@ -141,6 +164,8 @@ class FSDPParamGroup:
             return
         shard_size = self.mesh_info.shard_size
         check_post_forward_size(value, shard_size)
+        if 1 < value < shard_size:
+            check_post_forward_dims(value, self.params)
         self.reshard_after_forward = value > 1
         if 1 < value < shard_size:
             group, rank = self.mesh_info.post_forward_group(value)
@@ -182,6 +207,8 @@ class FSDPParamGroup:
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
         copy_out_all_gather(output, self.params, pending.group_size, pending.numels)
+        for param in self._other_dim_params:
+            param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
@@ -228,8 +255,9 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         self.training_state = TrainingState.PRE_BACKWARD
         self.needs_post_backward = True
-        self.unshard()
-        self.wait_for_unshard()
+        if self.unshard_in_backward:  # set_unshard_in_backward(False): the backward needs no values
+            self.unshard()
+            self.wait_for_unshard()
 
     def post_backward(self) -> None:
         """Reshard, then reduce-scatter the unsharded grads (unless gradient sync is off)."""
@@ -261,9 +289,11 @@ class FSDPParamGroup:
         grads: list[torch.Tensor] = []
         for param in self.params:
             grad = param.take_unsharded_grad() if param.requires_grad else None
+            if grad is None and param.requires_grad and self.reduce_scatter_unused_params:
+                grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
             if grad is not None:
                 params.append(param)
-                grads.append(grad)
+                grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
         return params, grads
 
     def finish_reduce_scatter(self) -> None:
@@ -275,18 +305,28 @@ class FSDPParamGroup:
         info = self.mesh_info
         factor = self.gradient_divide_factor or float(info.data_parallel_size)
         with self.trace_span("reduce_scatter_wait"):
-            event = finish_reduce_scatter(result, factor, info.replicate_group, self.requires_all_reduce, self.comm)
+            event = finish_reduce_scatter(
+                result, factor, info.replicate_group, self.requires_all_reduce, self.comm,
+                self.all_reduce_hook, self.all_reduce_hook_stream,
+            )  # fmt: skip
         if event is not None:
             self.offload_event = event
 
-    def finalize_backward(self) -> None:
-        """End of backward: reduce what autograd never handed us, apply reductions, go idle."""
-        if self.needs_post_backward:
+    def finish_backward_pass(self) -> None:
+        """End of every backward: reduce what autograd never handed us (with
+        ``reduce_scatter_unused_params``, also a group this rank never used: zeros, so that every rank
+        issues the same reduce-scatter), reshard, go idle; reductions may still be in flight."""
+        ran = self.training_state is TrainingState.POST_BACKWARD
+        if self.needs_post_backward or (self.reduce_scatter_unused_params and not ran):
             self.post_backward()
-        self.finish_reduce_scatter()
         if self.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
+
+    def finalize_backward(self) -> None:
+        """End of the last backward: as ``finish_backward_pass``, and every reduction applied."""
+        self.finish_backward_pass()
+        self.finish_reduce_scatter()
 
     def reset(self, drop_unsharded_grads: bool) -> None:
         """Drop per-step state after an exception: finish in-flight work, reshard, go idle.

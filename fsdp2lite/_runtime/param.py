@@ -1,17 +1,29 @@
 """One sharded parameter: its padded local shard, its DTensor, its unsharded storage.
 
-Layout, for a parameter of ``dim0`` rows sharded over ``shard_size`` ranks ([Note: padded shard]):
+Layout, for a parameter of ``n`` rows along its shard dim d (0 unless ``shard_placement_fn`` says
+otherwise) sharded over ``shard_size`` ranks ([Note: padded shard]):
 
-    padded_rows = ceil(dim0 / shard_size)          every rank stores padded_rows rows
-    rank r holds rows [r * padded_rows, min((r + 1) * padded_rows, dim0))   (torch.chunk on dim 0)
+    padded_rows = ceil(n / shard_size)          every rank stores padded_rows rows along d
+    rank r holds rows [r * padded_rows, min((r + 1) * padded_rows, n))   (torch.chunk along d)
 
-    dim0=5, shard_size=4 -> padded_rows=2: rank0 rows 0-1, rank1 rows 2-3, rank2 row 4 (+1 pad row),
+    n=5, shard_size=4 -> padded_rows=2: rank0 rows 0-1, rank1 rows 2-3, rank2 row 4 (+1 pad row),
     rank3 no rows (2 pad rows). Every rank contributes padded_rows rows to the all-gather, so the
     all-gather is one equal-sized collective; the DTensor's local tensor is the unpadded view
-    ``padded_shard[:local_rows]``, and ``DTensor.full_tensor()`` gives back the original.
+    ``padded_shard.narrow(d, 0, local_rows)``, and ``DTensor.full_tensor()`` gives back the original.
 
 The unsharded parameter is one ``nn.Parameter`` that lives across steps (autograd saves it during
 forward and accumulates its gradient); only its storage comes and goes ([Note: unsharded storage]).
+
+[Note: tensor parallel]
+A parameter that is already a DTensor when ``fully_shard`` sees it was placed by tensor parallelism
+on a tp mesh, a sibling of the data-parallel mesh under one parent (``mesh["dp"]``, ``mesh["tp"]``).
+FSDP then shards its *local* tensor (this rank's tp piece) over the dp ranks exactly as it would a
+plain parameter: the all-gather and the reduce-scatter run over dp only and rebuild the tp-local
+tensor. The sharded parameter is a DTensor on the parent mesh whose placements carry both: the dp
+placement (``_StridedShard(d, split_factor=tp)`` when tp already shards dim d, so the dp pieces are
+pieces of tp pieces, else ``Shard(d)``) and the tp placements. The unsharded parameter is a DTensor
+on the tp mesh again, with the tp placements, so the tensor-parallel forward runs on what it expects;
+its gradient, a DTensor on the tp mesh, is brought to those placements and reduced as a local tensor.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..mesh import MeshInfo
+from ..mesh import MeshInfo, sharded_placements
 from .states import ShardedState
 
 
@@ -65,6 +77,14 @@ class ParamPlace:
     name: str
 
 
+def _ensure_allocated(tensor: torch.Tensor) -> None:
+    """Give ``tensor``'s storage its bytes back after a ``resize_(0)`` ([Note: unsharded storage])."""
+    untyped = tensor.untyped_storage()
+    nbytes = int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+    if untyped.size() < nbytes:
+        untyped.resize_(nbytes)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     """Strides of a contiguous tensor of ``shape`` (computed, not allocated: even a meta tensor shows
     up as memory in tools that count every device)."""
@@ -80,19 +100,23 @@ class FSDPParam:
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
     places: tuple[ParamPlace, ...]
-    orig_shape: torch.Size
+    orig_shape: torch.Size  # the parameter's global shape
     orig_dtype: torch.dtype
     requires_grad: bool
     mesh_info: MeshInfo
+    shard_dim: int  # d: the dim sharded over the shard group (0 unless shard_placement_fn says otherwise)
+    tp_spec: DTensorSpec | None  # tensor parallel: the parameter's own DTensor spec ([Note: tensor parallel])
+    gather_shape: torch.Size  # what the all-gather rebuilds: orig_shape, or the tp-local shape under TP
     padded_rows: int
     local_rows: int
-    padded_shard: torch.Tensor  # (padded_rows, *rest): all-gather input, padding rows are zero
+    padded_shard: torch.Tensor  # gather_shape with padded_rows along d: all-gather input, padding is zero
     flat_shard: torch.Tensor  # padded_shard viewed (padded_numel,): what the all-gather copy-in reads
-    local_view: torch.Tensor  # padded_shard[:local_rows]: the DTensor's local tensor, as made here
+    local_view: torch.Tensor  # padded_shard.narrow(d, 0, local_rows): the DTensor's local tensor, as made here
     sharded_spec: DTensorSpec  # placements, global shape and stride, orig dtype: for the param and its grad
-    sharded_param: DTensor  # an nn.Parameter holding a DTensor; local tensor padded_shard[:local_rows]
+    sharded_param: DTensor  # an nn.Parameter holding a DTensor; local tensor local_view
     unsharded_flat: torch.Tensor | None  # (shard_size * padded_numel,) padded storage: [Note: unsharded storage]
-    unsharded_param: nn.Parameter | None  # unsharded_flat[:numel] in the original shape, kept across steps
+    unsharded_local: torch.Tensor | None  # the unsharded values in gather_shape (a DTensor's local under TP)
+    unsharded_param: nn.Parameter | None  # holds unsharded_local (or a tp DTensor of it), kept across steps
     all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
     sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
@@ -110,6 +134,7 @@ class FSDPParam:
         places: tuple[ParamPlace, ...],
         mesh_info: MeshInfo,
         policy: ParamPolicy,
+        shard_dim: int = 0,
     ) -> None:
         self.fqn = fqn
         self.places = places
@@ -117,6 +142,7 @@ class FSDPParam:
         self.orig_dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.mesh_info = mesh_info
+        self.shard_dim = shard_dim
         floating = param.dtype.is_floating_point
         self.param_dtype = policy.param_dtype if policy.param_dtype is not None and floating else param.dtype
         self.reduce_dtype = policy.reduce_dtype if policy.reduce_dtype is not None and floating else self.param_dtype
@@ -125,19 +151,25 @@ class FSDPParam:
         self.accumulated_grad = None
         self.partial_reduced_grad = None
         self.orig_param_ref = weakref.ref(param)
-        dim0, ws, rank = param.shape[0], mesh_info.shard_size, mesh_info.shard_rank
-        self.padded_rows = math.ceil(dim0 / ws)
-        self.local_rows = max(0, min(self.padded_rows, dim0 - rank * self.padded_rows))
-        start = rank * self.padded_rows
-        self.sharded_spec = DTensorSpec(
-            mesh_info.mesh,
-            mesh_info.placements,
-            tensor_meta=TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.orig_dtype),
-        )
-        self._adopt_padded_shard(self._new_padded_shard(param.detach()[start : start + self.local_rows]))
+        data: torch.Tensor = param.detach()
+        self.tp_spec = None
+        if isinstance(param, DTensor):  # [Note: tensor parallel]
+            self.tp_spec = param._spec  # type: ignore[attr-defined]
+            data = param._local_tensor.detach()  # type: ignore[attr-defined]
+        self.gather_shape = data.shape
+        rows, ws, rank = data.shape[shard_dim], mesh_info.shard_size, mesh_info.shard_rank
+        self.padded_rows = math.ceil(rows / ws)
+        self.local_rows = max(0, min(self.padded_rows, rows - rank * self.padded_rows))
+        start = min(rank * self.padded_rows, rows)
+        mesh, placements = sharded_placements(mesh_info, shard_dim, self.tp_spec)
+        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.orig_dtype)
+        self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=self.requires_grad)
+        sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]  # not a TP parameter: see api._check_param
         self.sharded_param = cast(DTensor, sharded)
         self.unsharded_flat = None
+        self.unsharded_local = None
         self.unsharded_param = None
         self.all_gather_view = None
         self.sharded_state = ShardedState.SHARDED
@@ -152,10 +184,9 @@ class FSDPParam:
         device = local.device
         if self.offload_to_cpu and device.type != "meta":
             device = torch.device("cpu")
-        shape = (self.padded_rows, *self.orig_shape[1:])
-        padded = torch.zeros(shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
+        padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
         if device.type != "meta" and self.local_rows:
-            padded[: self.local_rows].copy_(local.detach())
+            padded.narrow(self.shard_dim, 0, self.local_rows).copy_(local.detach())
         return padded
 
     def _pin(self, device: torch.device) -> bool:
@@ -165,14 +196,14 @@ class FSDPParam:
         """Make ``padded`` the shard, with the views the hot path reads made once here."""
         self.padded_shard = padded
         self.flat_shard = padded.view(-1)
-        self.local_view = padded[: self.local_rows]
+        self.local_view = padded.narrow(self.shard_dim, 0, self.local_rows)
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,
         every rank slices the full tensor it was given (``load_state_dict`` of full state dicts)."""
-        start = self.mesh_info.shard_rank * self.padded_rows
-        local = full.detach()[start : start + self.local_rows].to(self.padded_shard.device, self.orig_dtype)
-        return make_dtensor(local, self.sharded_spec)
+        start = min(self.mesh_info.shard_rank * self.padded_rows, full.shape[self.shard_dim])
+        local = full.detach().narrow(self.shard_dim, start, self.local_rows)
+        return make_dtensor(local.to(self.padded_shard.device, self.orig_dtype), self.sharded_spec)
 
     def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:
@@ -184,9 +215,18 @@ class FSDPParam:
         return self.flat_shard.numel()
 
     @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's padded shard: ``gather_shape`` with ``padded_rows`` along the shard dim."""
+        shape = list(self.gather_shape)
+        shape[self.shard_dim] = self.padded_rows
+        return tuple(shape)
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's unpadded shard (and of its sharded gradient)."""
-        return (self.local_rows, *self.orig_shape[1:])
+        shape = list(self.gather_shape)
+        shape[self.shard_dim] = self.local_rows
+        return tuple(shape)
 
     @property
     def device(self) -> torch.device:
@@ -211,30 +251,42 @@ class FSDPParam:
         self._adopt_padded_shard(self._new_padded_shard(local.detach()))
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
         if self.unsharded_param is not None and self.unsharded_param.device != self.device:
-            self.unsharded_flat = self.unsharded_param = self.all_gather_view = None
+            self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
 
     # ---- state transitions ----------------------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
         """Allocate the padded unsharded storage; returns it flat, ``(shard_size * padded_numel,)``.
 
         The first call creates the storage, the Parameter viewing it and the copy-out view; later calls
-        only give the storage its bytes back ([Note: unsharded storage])."""
+        only give the storage its bytes back ([Note: unsharded storage]). Sharded on a dim other than 0,
+        the flat storage is a rank-major scratch the all-gather is copied out to, and the parameter has
+        storage of its own in ``gather_shape`` (``finish_copy_out`` moves the values over)."""
         if self.unsharded_flat is None:
             shard_size = self.mesh_info.shard_size
             storage = torch.empty(shard_size * self.padded_numel, dtype=self.param_dtype, device=self.device)
-            self.unsharded_param = nn.Parameter(
-                storage[: self.orig_shape.numel()].view(self.orig_shape), requires_grad=self.requires_grad
-            )
+            if self.shard_dim == 0:
+                local = storage[: self.gather_shape.numel()].view(self.gather_shape)
+            else:
+                local = torch.empty(self.gather_shape, dtype=self.param_dtype, device=self.device)
+            self.unsharded_local = local
+            self.unsharded_param = nn.Parameter(self._unsharded_tensor(local), requires_grad=self.requires_grad)
             # ``.data``: the same storage with a version counter of its own, so refills written through
             # it (and its views) are not in-place modifications in autograd's eyes
             self.unsharded_flat = storage.data
             self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
             return self.unsharded_flat
-        untyped = self.unsharded_flat.untyped_storage()
-        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        if untyped.size() != nbytes:
-            untyped.resize_(nbytes)  # [Note: unsharded storage]
+        _ensure_allocated(self.unsharded_flat)
+        if self.unsharded_local is not None and self.shard_dim != 0:
+            _ensure_allocated(self.unsharded_local)
         return self.unsharded_flat
+
+    def _unsharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """What the modules see unsharded: ``local``, or under TP a DTensor of it on the tp mesh."""
+        spec = self.tp_spec
+        if spec is None:
+            return local
+        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.param_dtype)
+        return make_dtensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
 
     def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
         """Where a ``group_size``-rank all-gather with ``padded_numel`` elements per rank is copied out:
@@ -244,6 +296,23 @@ class FSDPParam:
         if group_size == self.mesh_info.shard_size and self.all_gather_view is not None:
             return self.all_gather_view
         return flat[: group_size * padded_numel].view(group_size, padded_numel)
+
+    def finish_copy_out(self) -> None:
+        """Sharded on dim d != 0: move the rank-major copy-out (rank r's padded chunk at row r) into the
+        parameter, chunks side by side along d (one strided copy, two when the last chunk is short),
+        and free the scratch. Nothing to do on dim 0: the copy-out wrote the parameter itself."""
+        if self.shard_dim == 0 or self.unsharded_flat is None or self.unsharded_local is None:
+            return
+        d, rows, ws = self.shard_dim, self.padded_rows, self.mesh_info.shard_size
+        chunks = self.unsharded_flat.view(ws, *self.padded_shape).movedim(0, d)  # (..., ws, rows, ...) along d
+        target = self.unsharded_local.data
+        full, rest = divmod(self.gather_shape[d], rows) if rows else (0, 0)
+        if full:
+            split = (*self.gather_shape[:d], full, rows, *self.gather_shape[d + 1 :])
+            target.narrow(d, 0, full * rows).view(split).copy_(chunks.narrow(d, 0, full))
+        if rest:
+            target.narrow(d, full * rows, rest).copy_(chunks.select(d, full).narrow(d, 0, rest))
+        self.unsharded_flat.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules."""
@@ -257,7 +326,23 @@ class FSDPParam:
         self._set_on_modules(self.sharded_param)
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
+        if self.unsharded_local is not None and self.shard_dim != 0:
+            self.unsharded_local.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
+
+    def dim0_chunkable_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient sharded on dim d != 0 rearranged so that chunking it on dim 0 (what the
+        reduce-scatter copy-in does for the whole group) gives the padded chunks along d: padded to
+        ``shard_size * padded_rows`` along d, then ``(shard_size, chunk numel)`` rank-major. Dim 0 as is."""
+        d = self.shard_dim
+        if d == 0:
+            return grad
+        ws, rows = self.mesh_info.shard_size, self.padded_rows
+        pad = ws * rows - grad.shape[d]
+        if pad:
+            grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - d) + [0, pad])
+        split = (*grad.shape[:d], ws, rows, *grad.shape[d + 1 :])
+        return grad.reshape(split).movedim(d, 0).reshape(ws, -1)
 
     # ---- gradients ------------------------------------------------------------------------
     def _pop_autograd_grad(self) -> torch.Tensor | None:
@@ -265,6 +350,11 @@ class FSDPParam:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
+        if isinstance(grad, DTensor):  # tensor parallel: reduce this rank's tp piece
+            spec = self.tp_spec
+            if spec is not None and tuple(grad.placements) != tuple(spec.placements):
+                grad = grad.redistribute(spec.mesh, spec.placements)  # e.g. Partial -> Replicate
+            grad = grad._local_tensor  # type: ignore[attr-defined]
         return grad
 
     def stash_unsharded_grad(self) -> None:
@@ -293,6 +383,11 @@ class FSDPParam:
         if grad is not None:
             accumulated.add_(grad)
         return accumulated
+
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        """Zeros in the unsharded gradient's shape and dtype: what an unused parameter contributes
+        (``set_reduce_scatter_unused_params``)."""
+        return torch.zeros(self.gather_shape, dtype=self.param_dtype, device=self.device)
 
     def keep_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
         """HSDP with the all-reduce off: add this reduce-scatter's replica-local sum to the kept one."""

@@ -35,6 +35,22 @@ at once, so the memory is worth more than the overlap (``set_overlap_reduce_scat
 on). Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather buffers,
 i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
 
+[Note: microbatching]
+``set_is_last_backward(False)`` marks the coming backwards as not the last of a step (microbatches with
+gradient sync on): their end-of-backward callback still reduce-scatters what autograd never handed a
+group and reshards, but leaves reductions in flight (the next backward's first post-backward, or the
+last backward's end, waits for them) and waits on no side stream, so the last reduce-scatter of one
+microbatch overlaps the next microbatch's forward. The sharded gradients are complete only after a
+backward with ``set_is_last_backward(True)`` (the default).
+
+[Note: compile]
+The forward hooks are wrapped in ``torch.compiler.disable``. A block compiled with ``block.compile()`` (or
+``torch.compile``) then becomes one graph of its forward alone: Dynamo does not trace
+``Module._call_impl``, and a hook that is itself disabled is skipped as a frame, with no graph break;
+the hooks run eagerly around the compiled forward, which sees the unsharded parameters as ordinary
+inputs (the same Parameter objects every step, so nothing recompiles). Traced instead, the hooks would
+break the graph at every collective and recompile per block.
+
 [Note: group pass]
 A call on a list of modules makes one group, used in one pass: the first of its modules to start
 forward unshards it and routes that module's inputs through _PostBackward; the group's post-forward
@@ -57,6 +73,8 @@ from .comm import Comm
 from .group import FSDPParamGroup
 from .states import TrainingState
 from .trace import TraceRecorder
+
+_FORWARD_METHOD = -1  # in pending_forward while a registered forward method runs (never a module id)
 
 
 class ScheduleDefaults(NamedTuple):
@@ -87,6 +105,8 @@ class RootContext:
     overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
     late_backward_prefetch: bool  # prefetch in backward after the reduce-scatter (True) or at pre-backward
     pending_reduce_scatter: FSDPParamGroup | None  # issued last, finished before the next one is issued
+    is_last_backward: bool  # False: the end of backward leaves reductions in flight ([Note: microbatching])
+    post_optim_event: torch.Event | None  # CUDA: the next root pre-forward's all-gathers wait on it
 
     def __init__(self, states: list[FSDPState], schedule_overrides: dict[str, Any]) -> None:
         self.states = states
@@ -103,6 +123,8 @@ class RootContext:
         self.late_backward_prefetch = settings.late_backward_prefetch
         self.overlap_reduce_scatter = settings.overlap_reduce_scatter
         self.pending_reduce_scatter = None
+        self.is_last_backward = True
+        self.post_optim_event = None
 
     def groups(self) -> list[FSDPParamGroup]:
         return [state.group for state in self.states if state.group is not None]
@@ -134,7 +156,7 @@ class RootContext:
         if targets is None:
             targets = self._neighbours(group, 1, step=-1)
         for target in targets:
-            if target.training_state is not TrainingState.POST_BACKWARD:
+            if target.training_state is not TrainingState.POST_BACKWARD and target.unshard_in_backward:
                 target.unshard()
 
     def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> list[FSDPParamGroup]:
@@ -170,6 +192,11 @@ class RootContext:
         """Runs once autograd has finished the whole backward pass."""
         # Reverse module order mirrors the backward; every rank walks the same list, so any
         # reduce-scatter issued here is issued in the same order on all ranks.
+        if not self.is_last_backward:  # [Note: microbatching]
+            for group in reversed(self.groups()):
+                group.finish_backward_pass()
+            self._end_backward_pass()
+            return
         self.finish_pending_reduce_scatter()
         for group in reversed(self.groups()):
             group.finalize_backward()
@@ -180,6 +207,9 @@ class RootContext:
                 # The one host wait of a step, CPU offload only: optimizer.step() reads the host grads.
                 group.offload_event.synchronize()
                 group.offload_event = None
+        self._end_backward_pass()
+
+    def _end_backward_pass(self) -> None:
         for state in self.states:
             state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
@@ -222,6 +252,7 @@ class FSDPState:
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
     schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
+    step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
 
     def __init__(
@@ -234,10 +265,11 @@ class FSDPState:
         self.root_context = None
         self.pending_forward = set()
         self.schedule_overrides = {}
+        self.step_settings = {}
         self.trace_recorder = None
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False)
+            module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
+            module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
             module.register_state_dict_pre_hook(self._reshard_for_state_dict)
             module.register_load_state_dict_pre_hook(self._reshard_for_state_dict)
 
@@ -266,6 +298,10 @@ class FSDPState:
             context.comm.recorder = self.trace_recorder
         if self.trace_recorder is not None:
             self.trace_recorder.schedule = context.schedule_settings()
+        for state in (*states[1:], self):  # the root's own settings win
+            for name, value in state.step_settings.items():
+                setattr(context, name, value)
+            state.step_settings.clear()
         for state in states:
             state.is_root = state is self
             state.root_context = context
@@ -309,13 +345,37 @@ class FSDPState:
         context = self.root_context
         if context is not None and not context.order_recorded and group not in context.forward_order:
             context.forward_order.append(group)
-        group.pre_forward()
-        if context is not None:
-            context.prefetch_forward(group)  # after this group's copy-out freed its buffer
+        event = context.post_optim_event if context is not None and self.is_root else None
+        if event is not None and group.comm.streams is not None:
+            group.comm.wait_instead = event  # the user's event stands for the optimizer step
+        try:
+            group.pre_forward()
+            if context is not None:
+                context.prefetch_forward(group)  # after this group's copy-out freed its buffer
+        finally:
+            if event is not None and context is not None:
+                group.comm.wait_instead = context.post_optim_event = None  # one step only, like torch's
         group.trace("forward")
         if torch.is_grad_enabled():
             return _attach_post_backward(self, args, kwargs)
         return args, kwargs
+
+    def run_forward_method(self, module: nn.Module, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A method registered with ``register_fsdp_forward_method`` (e.g. ``generate``), run between
+        the group's pre- and post-forward work like ``forward`` is. Forwards it calls on the same
+        module run inside that one pass: a marker in ``pending_forward`` keeps their post-forward
+        hooks from closing it, so the parameters stay unsharded until the method returns."""
+        if self.pending_forward or (self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD):
+            return method(*args, **kwargs)  # already inside a forward pass of this group
+        pre = self._pre_forward_hook(module, args, kwargs)
+        if pre is not None:
+            args, kwargs = pre
+        self.pending_forward.add(_FORWARD_METHOD)
+        output = method(*args, **kwargs)
+        self.pending_forward.clear()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return self._post_forward(output)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
@@ -366,6 +426,11 @@ class FSDPState:
             if context.late_backward_prefetch:
                 context.prefetch_backward(group)  # overlaps this group's reduce-scatter: [Note: prefetch]
             context.track_reduce_scatter(group)
+
+
+def _eager(hook: Any) -> Any:
+    """``hook`` as a function torch.compile never traces: [Note: compile]."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _attach_post_backward(
