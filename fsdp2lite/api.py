@@ -207,10 +207,13 @@ class FSDPModule:
             state.step_settings["post_optim_event"] = event  # taken by lazy init
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Reduce zeros for parameters that got no gradient in a backward (and for groups that did not
-        run at all on this rank), so ranks that used different parameters (mixture of experts,
-        conditional branches) issue the same collectives and their gradients average as with
-        DDP's ``find_unused_parameters``. Default False: a parameter without a gradient is skipped."""
+        """Reduce zeros for parameters of a group that got no gradient in a backward, so ranks that used
+        different parameters of one group (experts of a mixture-of-experts layer, conditional branches)
+        lay out the same reduce-scatter and their gradients average as with DDP's
+        ``find_unused_parameters``. Default False: a parameter without a gradient is left out, which
+        is only right when every rank leaves out the same ones. The group itself must run forward and
+        backward on every rank: its reduce-scatter is issued when its backward ends, in the same order
+        everywhere."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for group in self._groups(recurse):
             group.reduce_scatter_unused_params = reduce_scatter_unused_params

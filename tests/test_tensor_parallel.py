@@ -169,9 +169,10 @@ def check_bad_tp_meshes(rank: int, ws: int) -> None:
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     block = Block(8, 12)
     block.fc1.weight = nn.Parameter(distribute_tensor(block.fc1.weight.detach(), other, [Shard(0)]))
-    with pytest.raises(
-        ValueError, match=r"'fc1.weight' of Linear is a DTensor.*(do not combine|not a sub-mesh).*mesh\['tp'\] to parallelize_module"
-    ):
+    combine = (
+        r"'fc1.weight' of Linear is a DTensor.*(do not combine|not a sub-mesh).*mesh\['tp'\] to parallelize_module"
+    )
+    with pytest.raises(ValueError, match=combine):
         fl.fully_shard(block, mesh=mesh["dp"])
     assert not isinstance(block, fl.FSDPModule)
     block = Block(8, 12)

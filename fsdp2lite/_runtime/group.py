@@ -313,11 +313,9 @@ class FSDPParamGroup:
             self.offload_event = event
 
     def finish_backward_pass(self) -> None:
-        """End of every backward: reduce what autograd never handed us (with
-        ``reduce_scatter_unused_params``, also a group this rank never used: zeros, so that every rank
-        issues the same reduce-scatter), reshard, go idle; reductions may still be in flight."""
-        ran = self.training_state is TrainingState.POST_BACKWARD
-        if self.needs_post_backward or (self.reduce_scatter_unused_params and not ran):
+        """End of every backward: reduce what autograd never handed us, reshard, go idle; reductions
+        may still be in flight."""
+        if self.needs_post_backward:
             self.post_backward()
         if self.reshard_after_backward:
             self.reshard()
