@@ -195,3 +195,33 @@ def test_peak_memory_not_above_torch_fully_shard(mixed_precision: bool) -> None:
         del model
         torch.cuda.empty_cache()
     assert peaks[0] <= peaks[1], f"fsdp2lite step peak {peaks[0]} > torch fully_shard {peaks[1]}"
+
+
+def test_post_optim_event_and_all_reduce_hook_stream() -> None:
+    """set_post_optim_event: the root's all-gathers wait on the event recorded after each optimizer
+    step (consumed, so it is set again every step); set_all_reduce_hook(stream=...): the hook runs on
+    that stream once per backward per block. Training matches the plain model."""
+    torch.manual_seed(0)
+    ref = GPT(TINY_GPT).to(DEVICE)
+    model = shard(copy.deepcopy(ref))
+    stream = torch.cuda.Stream(DEVICE)
+    seen: list[torch.cuda.Stream] = []
+    for block in model.blocks:
+        block.set_all_reduce_hook(lambda reduced: seen.append(torch.cuda.current_stream(DEVICE)), stream=stream)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
+    for step in range(3):
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            loss = gpt_loss(m, on_device(gpt_batch(step, 0)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        event = torch.cuda.Event()
+        event.record()
+        model.set_post_optim_event(event)
+        assert model._fsdp_state.root_context.post_optim_event is event
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    assert len(seen) == 3 * TINY_GPT.n_layers and all(s == stream for s in seen), seen
+    gpt_loss(model, on_device(gpt_batch(3, 0))).backward()
+    assert model._fsdp_state.root_context.post_optim_event is None, "the event was not consumed"

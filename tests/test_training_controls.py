@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import spawn_checks
+from _dist import cpu_mesh, spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import ATOL, RTOL, assert_params_match, full
 from test_comm_counts import counts
@@ -34,6 +34,31 @@ def shard_all(model: nn.Module, **kwargs) -> nn.Module:
         fl.fully_shard(block, **kwargs)
     fl.fully_shard(model, **kwargs)
     return model
+
+
+def oracle(model: nn.Module, *groups: str) -> nn.Module:
+    """torch's fully_shard on a copy of the unsharded ``model``: ``groups`` (module paths), the blocks,
+    then the root, on a CPU mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    twin = copy.deepcopy(model)
+    mesh = cpu_mesh()
+    for path in groups:
+        fully_shard(twin.get_submodule(path), mesh=mesh)
+    for block in twin.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(twin, mesh=mesh)
+    return twin
+
+
+def assert_same_as(model: nn.Module, twin: nn.Module, what: str, grads: bool = True) -> None:
+    """Every full gradient (or parameter) of ``model`` equals ``twin``'s (torch's fully_shard)."""
+    theirs = dict(twin.named_parameters())
+    for name, param in model.named_parameters():
+        mine, other = (param.grad, theirs[name].grad) if grads else (param, theirs[name])
+        assert (mine is None) == (other is None), f"{what} {name}: grad presence differs from torch's"
+        if mine is not None:
+            torch.testing.assert_close(full(mine), full(other), rtol=RTOL, atol=ATOL, msg=f"{what} {name}")
 
 
 def step_both(model: nn.Module, ddp: nn.Module, opts: list[torch.optim.Optimizer], what: str) -> None:
@@ -127,21 +152,24 @@ def check_is_last_backward(rank: int, ws: int) -> None:
     torch.manual_seed(0)
     model = UnevenMLP()
     ddp = DDP(copy.deepcopy(model))
+    twin = oracle(model)
     shard_all(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp, twin)]
     root = model._fsdp_state.group
     for step in range(3):
         for micro in range(3):
             last = micro == 2
             model.set_is_last_backward(last)
+            twin.set_is_last_backward(last)
             batch = mlp_batch(3 * step + micro, rank)
-            loss = mlp_loss(model, batch)
-            loss.backward()
-            ref_loss = mlp_loss(ddp, batch)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+            losses = [mlp_loss(net, batch) for net in (model, ddp, twin)]
+            for loss in losses:
+                loss.backward()
+            torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(losses[0], losses[2], rtol=RTOL, atol=ATOL)
             in_flight = root.reduce_scatter_result is not None
             assert in_flight != last, f"step {step} micro {micro}: root reduce-scatter in flight: {in_flight}"
+        assert_same_as(model, twin, f"is_last_backward step {step}")
         step_both(model, ddp, opts, f"is_last_backward step {step}")
     with pytest.raises(TypeError, match=r"is_last_backward must be True or False, got 1"):
         model.set_is_last_backward(1)  # type: ignore[arg-type]
@@ -155,30 +183,35 @@ def check_unshard_in_backward(rank: int, ws: int) -> None:
     backward than with the default, and the same training as DDP."""
     from _models import gpt_batch, gpt_loss
 
-    def build(flag: bool) -> tuple[nn.Module, DDP]:
+    def build(flag: bool) -> tuple[nn.Module, DDP, nn.Module]:
         torch.manual_seed(0)
         model = GPT(UNTIED)
         ddp = DDP(copy.deepcopy(model))
+        twin = oracle(model, "tok_emb")
         fl.fully_shard(model.tok_emb)
         shard_all(model)
         model.tok_emb.set_unshard_in_backward(flag)
-        return model, ddp
+        twin.tok_emb.set_unshard_in_backward(flag)
+        return model, ddp, twin
 
     backward_gathers = {}
     for flag in (True, False):
-        model, ddp = build(flag)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp)]
+        model, ddp, twin = build(flag)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp, twin)]
         for step in range(3):
             batch = gpt_batch(step, rank)
-            loss = gpt_loss(model, batch)
-            with CommDebugMode() as mode:
-                loss.backward()
-            backward_gathers[flag] = counts(mode)["all_gather"]
-            ref_loss = gpt_loss(ddp, batch)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+            losses = [gpt_loss(net, batch) for net in (model, ddp, twin)]
+            for index, loss in enumerate(losses):
+                with CommDebugMode() as mode:
+                    loss.backward()
+                backward_gathers[(flag, index)] = counts(mode)["all_gather"]
+            torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(losses[0], losses[2], rtol=RTOL, atol=ATOL)
+            assert_same_as(model, twin, f"unshard_in_backward={flag} step {step}")
             step_both(model, ddp, opts, f"unshard_in_backward={flag} step {step}")
-    assert backward_gathers == {True: UNTIED.n_layers + 1, False: UNTIED.n_layers}, backward_gathers
+    n = UNTIED.n_layers
+    assert backward_gathers[(True, 0)] == backward_gathers[(True, 2)] == n + 1, backward_gathers  # 0 ours, 2 torch's
+    assert backward_gathers[(False, 0)] == backward_gathers[(False, 2)] == n, backward_gathers
     with pytest.raises(TypeError, match=r"unshard_in_backward must be True or False, got 'no'"):
         model.tok_emb.set_unshard_in_backward("no")  # type: ignore[arg-type]
 
@@ -192,6 +225,7 @@ def check_all_reduce_hook(rank: int, ws: int) -> None:
     torch.manual_seed(0)
     model = UnevenMLP()
     ddp = DDP(copy.deepcopy(model))
+    twin = oracle(model)
     shard_all(model)
     seen: list[tuple[int, torch.dtype, int]] = []
 
@@ -204,13 +238,17 @@ def check_all_reduce_hook(rank: int, ws: int) -> None:
 
     for index, block in enumerate(model.blocks):
         block.set_all_reduce_hook(hook_for(index))
+    for block in twin.blocks:
+        block.set_all_reduce_hook(lambda reduced: reduced.mul_(2.0))
     padded = [sum(p.padded_numel for p in block._fsdp_state.group.params) for block in model.blocks]
     for step in range(2):
         seen.clear()
         batch = mlp_batch(step, rank)
-        mlp_loss(model, batch).backward()
-        mlp_loss(ddp, batch).backward()
+        for net in (model, ddp, twin):
+            mlp_loss(net, batch).backward()
         assert sorted(seen) == [(i, torch.float32, padded[i]) for i in range(len(padded))], seen
+        assert_same_as(model, twin, f"all_reduce_hook step {step}")
+        twin.zero_grad()
         for name, param in model.named_parameters():
             expected = ddp.module.get_parameter(name).grad * (2.0 if name.startswith("blocks.") else 1.0)
             torch.testing.assert_close(full(param.grad), expected, rtol=RTOL, atol=ATOL, msg=name)
@@ -258,20 +296,22 @@ def check_reduce_scatter_unused_params(rank: int, ws: int) -> None:
     torch.manual_seed(0)
     model = MoE()
     ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    twin = oracle(model)
+    twin.set_reduce_scatter_unused_params(True)
     shard_all(model)
     model.set_reduce_scatter_unused_params(True)
     assert all(g.reduce_scatter_unused_params for g in (model._fsdp_state.group, model.blocks[0]._fsdp_state.group))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp, twin)]
     for step, route in enumerate(routes):
-        for net in (model, ddp.module):
+        for net in (model, ddp.module, twin):
             net.blocks[0].route = route[rank]
         g = torch.Generator().manual_seed(step * 10 + rank)
         x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
-        loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        ref_loss = (ddp(x) - y).pow(2).mean()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        losses = [(net(x) - y).pow(2).mean() for net in (model, ddp, twin)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+        assert_same_as(model, twin, f"unused params step {step}")
         step_both(model, ddp, opts, f"unused params step {step}")
     with pytest.raises(TypeError, match=r"reduce_scatter_unused_params must be True or False"):
         model.set_reduce_scatter_unused_params(None)  # type: ignore[arg-type]
