@@ -143,6 +143,19 @@ class WrapRule(BaseModel):
         None, description="overrides the top-level fields it sets; the others are inherited"
     )
     offload: OffloadConfig | None = Field(None, description="overrides the top-level offload")
+    reduce_scatter_unused_params: bool | None = Field(None, description="overrides the top-level value")
+    unshard_in_backward: bool = Field(
+        True, description="false: never all-gather these groups in backward (their backward needs no values)"
+    )
+
+
+class ShardPlacementRule(BaseModel):
+    """Parameters (by name glob) sharded on another dim than 0: ``shard_placement_fn`` as YAML."""
+
+    model_config = _STRICT
+
+    path: str | list[str] = Field(description="glob(s) over parameter names, e.g. '*.experts.*.weight'")
+    dim: int = Field(description="the dim to shard on (torch.chunk along it); negative counts from the end")
 
 
 class FSDPConfig(BaseModel):
@@ -161,6 +174,12 @@ class FSDPConfig(BaseModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="top-level offload")
     wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
     ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
+    shard_placement: list[ShardPlacementRule] = Field(
+        default_factory=list, description="parameters sharded on another dim than 0; first match wins"
+    )
+    reduce_scatter_unused_params: bool = Field(
+        False, description="reduce zeros for parameters that got no gradient (ranks using different experts)"
+    )
     schedule: ScheduleConfig = Field(
         default_factory=ScheduleConfig, description="the root's schedule settings (see ScheduleConfig)"
     )
@@ -308,6 +327,8 @@ class GroupPolicy:
     reshard_after_forward: ReshardAfterForward
     mixed_precision: MixedPrecisionPolicy
     offload: OffloadConfig
+    reduce_scatter_unused_params: bool = False
+    unshard_in_backward: bool = True
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         value = self.reshard_after_forward
@@ -338,6 +359,7 @@ class Plan:
     ignored: dict[str, nn.Parameter] = field(default_factory=dict)  # parameter path -> parameter
     problems: list[Problem] = field(default_factory=list)  # rules that match nothing
     refused: list[Problem] = field(default_factory=list)  # parameters that cannot be sharded as planned
+    shard_dims: dict[str, int] = field(default_factory=dict)  # parameter path -> shard dim, for matched ones
 
 
 def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
@@ -345,7 +367,9 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     ``fully_shard`` would give it (groups in plan order), and collect every problem: rules that match
     nothing, parameters tied across groups, 0-dim parameters."""
     plan = Plan()
-    top = GroupPolicy(config.reshard_after_forward, config.mixed_precision, config.offload)
+    top = GroupPolicy(
+        config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params
+    )
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
     for path, module in model.named_modules():
         if path == "":
@@ -371,7 +395,49 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
     _plan_ignored(model, config, plan, class_names)
     plan.params, plan.refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
+    _plan_shard_dims(model, config, plan)
     return plan
+
+
+def _plan_shard_dims(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
+    """Each ``shard_placement`` rule's parameters (first match wins), with their dims checked."""
+    params = {name: p for name, p in model.named_parameters() if name not in plan.ignored}
+    for index, rule in enumerate(config.shard_placement):
+        hits = [name for name in params if any(fnmatch.fnmatchcase(name, g) for g in _as_list(rule.path))]
+        if not hits:
+            plan.problems.append(
+                Problem(
+                    f"shard_placement.{index}",
+                    "matches no parameter",
+                    f"parameter names look like: {next(iter(params), '')}",
+                )
+            )
+        for name in hits:
+            if name in plan.shard_dims:
+                continue  # an earlier rule took it
+            ndim = params[name].dim()
+            if not -ndim <= rule.dim < ndim:
+                plan.refused.append(
+                    Problem(
+                        name,
+                        f"shard_placement.{index} asks for dim {rule.dim}, but the parameter has shape "
+                        f"{tuple(params[name].shape)}",
+                        f"use a dim in 0 .. {ndim - 1} (or -{ndim} .. -1), or a narrower path",
+                    )
+                )
+                continue
+            plan.shard_dims[name] = rule.dim % ndim
+    for name, dim in plan.shard_dims.items():
+        group = next((g for g, owned in zip(plan.groups, plan.params) if name in owned), None)
+        reshard = group.policy.reshard_after_forward if group is not None else None
+        if dim and isinstance(reshard, int) and not isinstance(reshard, bool) and reshard > 1:
+            plan.refused.append(
+                Problem(
+                    name,
+                    f"sharded on dim {dim}, but its group reshards to {reshard} ranks after forward (dim-0 chunks)",
+                    "use reshard_after_forward: true or false for that group, or shard the parameter on dim 0",
+                )
+            )
 
 
 def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
@@ -379,10 +445,13 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
     if rule.mixed_precision is not None:
         overrides = {k: getattr(rule.mixed_precision, k) for k in rule.mixed_precision.model_fields_set}
         mixed = mixed.model_copy(update=overrides)
+    unused = top.reduce_scatter_unused_params
     return GroupPolicy(
         top.reshard_after_forward if rule.reshard_after_forward is None else rule.reshard_after_forward,
         mixed,
         top.offload if rule.offload is None else rule.offload,
+        unused if rule.reduce_scatter_unused_params is None else rule.reduce_scatter_unused_params,
+        rule.unshard_in_backward,
     )
 
 
@@ -476,14 +545,31 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     if mesh is None:
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
     ignored = set(plan.ignored.values())
+    params = dict(model.named_parameters())
+    dims = {id(params[name]): dim for name, dim in plan.shard_dims.items()}
+    placement_fn = _placement_fn(dims) if dims else None
     for group in plan.groups:
         kwargs = group.policy.fully_shard_kwargs()
-        if len(group.modules) == 1:
-            fully_shard(group.modules[0], mesh, ignored_params=ignored, **kwargs)
-        else:
-            fully_shard(list(group.modules), mesh, ignored_params=ignored, **kwargs)
+        target: Any = group.modules[0] if len(group.modules) == 1 else list(group.modules)
+        fully_shard(target, mesh, ignored_params=ignored, shard_placement_fn=placement_fn, **kwargs)
+        module = group.modules[0]
+        if group.policy.reduce_scatter_unused_params:
+            module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
+        state: Any = module._fsdp_state
+        if not group.policy.unshard_in_backward and state.group is not None:
+            module.set_unshard_in_backward(False)  # type: ignore[operator]
     config.schedule.apply_to(model)  # the model is the root: plans always end with it
     return model
+
+
+def _placement_fn(dims: dict[int, int]) -> Any:
+    from torch.distributed.tensor import Shard
+
+    def shard_placement_fn(param: nn.Parameter) -> Any:
+        dim = dims.get(id(param))
+        return None if dim is None else Shard(dim)
+
+    return shard_placement_fn
 
 
 def _device_type(model: nn.Module) -> str:

@@ -13,7 +13,8 @@ groups or 0-dim (they cannot be sharded as planned, exit 1), and large modules l
 Which group owns a parameter follows ``fully_shard``: a group owns the parameters of its modules that
 no group sharded before it owns (groups are sharded in plan order), minus the ignored ones; tied
 parameters are counted once. A rank's bytes for one parameter are its padded shard:
-``ceil(dim0 / shard) * row_numel * element_size``, with ``shard`` the mesh's shard degree.
+``ceil(size(d) / shard) * (numel / size(d)) * element_size`` for its shard dim d (0 unless ``shard_placement``
+says otherwise), with ``shard`` the mesh's shard degree.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class GroupRow:
     sharded_bytes: int  # per rank: the padded local shards
     unsharded_bytes: int  # the full parameters
     policy: GroupPolicy
+    shard_dims: tuple[int, ...] = ()  # per parameter in param_names: the dim it is sharded on
 
     @property
     def is_root(self) -> bool:
@@ -126,12 +128,12 @@ def param_nbytes(param: torch.Tensor) -> int:
     return param.numel() * param.element_size()
 
 
-def sharded_nbytes(param: torch.Tensor, shard: int) -> int:
-    """Bytes of one rank's padded shard: ``ceil(dim0 / shard)`` rows of ``row_numel`` elements."""
+def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
+    """Bytes of one rank's padded shard: ``ceil(size(dim) / shard)`` rows of the other dims' elements."""
     if param.dim() == 0:
         return param.element_size()  # cannot be sharded (reported in ``refused``)
-    row_numel = math.prod(param.shape[1:])
-    return math.ceil(param.shape[0] / shard) * row_numel * param.element_size()
+    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
+    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
 
 
 def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Explanation:
@@ -140,7 +142,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     plan = plan_config(model, config)
     ignored = {id(p) for p in plan.ignored.values()}
     owned = plan.params
-    rows = [_group_row(group, params, config, shard) for group, params in zip(plan.groups, owned)]
+    rows = [_group_row(group, params, config, shard, plan.shard_dims) for group, params in zip(plan.groups, owned)]
     unique = dict(model.named_parameters())  # tied parameters once
     total_bytes = sum(param_nbytes(p) for p in unique.values())
     root_ids = {id(p) for p in owned[-1].values()}
@@ -158,15 +160,19 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     )
 
 
-def _group_row(group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int) -> GroupRow:
+def _group_row(
+    group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int, dims: dict[str, int]
+) -> GroupRow:
+    shard_dims = tuple(dims.get(name, 0) for name in params)
     return GroupRow(
         paths=group.paths,
         rule=rule_label(config, group.rule_index),
         param_names=tuple(params),
         numel=sum(p.numel() for p in params.values()),
-        sharded_bytes=sum(sharded_nbytes(p, shard) for p in params.values()),
+        sharded_bytes=sum(sharded_nbytes(p, shard, d) for p, d in zip(params.values(), shard_dims)),
         unsharded_bytes=sum(param_nbytes(p) for p in params.values()),
         policy=group.policy,
+        shard_dims=shard_dims,
     )
 
 
@@ -281,7 +287,21 @@ def policy_lines(row: GroupRow) -> list[str]:
     mixed = " ".join(f"{key}={dtypes[key] or 'null'}" for key in ("param_dtype", "reduce_dtype", "output_dtype"))
     if not policy.mixed_precision.cast_forward_inputs:
         mixed += " cast_forward_inputs=false"
-    return [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
+    lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
+    flags = [
+        text
+        for text, on in (
+            ("reduce_scatter_unused_params=true", policy.reduce_scatter_unused_params),
+            ("unshard_in_backward=false", not policy.unshard_in_backward),
+        )
+        if on
+    ]
+    other = Counter(d for d in row.shard_dims if d)
+    if other:
+        flags.append("shard_placement: " + ", ".join(f"Shard({d}) x{n}" for d, n in sorted(other.items())))
+    if flags:
+        lines.append(" · ".join(flags))
+    return lines
 
 
 def explanation_tree(title: str, explanation: Explanation) -> Tree:

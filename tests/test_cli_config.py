@@ -255,10 +255,35 @@ def test_large_modules_in_the_root_get_a_wrap_rule() -> None:
     assert [(m.path, m.suggestion) for m in explanation.large_in_root] == [("blocks.0", "- match: {path: blocks.0}")]
 
 
+def test_explain_counts_and_shows_shard_placement_and_group_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Shard(1) parameter's bytes per rank pad its columns, not its rows; the group's node names
+    the placements and the non-default flags."""
+    text = (
+        "wrap:\n  - match: {class: Block}\n    unshard_in_backward: false\n"
+        "shard_placement:\n  - {path: 'blocks.*.mlp.*.weight', dim: 1}\nreduce_scatter_unused_params: true\n"
+    )
+    config = FSDPConfig.from_yaml(_write(tmp_path, text))
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    rows = explain_config(model, config, 3).rows
+    mlp = dict(model.blocks[0].mlp.named_parameters())
+    expected = sum(sharded_nbytes(p, 3, 1 if n.endswith("weight") else 0) for n, p in mlp.items())
+    block_bytes = rows[0].sharded_bytes - sum(
+        sharded_nbytes(p, 3) for n, p in model.blocks[0].named_parameters() if not n.startswith("mlp.")
+    )
+    assert block_bytes == expected
+    assert main(["explain", _write(tmp_path, text), "--model", FACTORY, "--world-size", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "reduce_scatter_unused_params=true · unshard_in_backward=false · shard_placement: Shard(1) x2" in out
+
+
 def test_sharded_nbytes_pads_dim0() -> None:
     assert sharded_nbytes(torch.empty(5, 3, device="meta"), 4) == 2 * 3 * 4  # ceil(5/4) = 2 rows
     assert sharded_nbytes(torch.empty(2, dtype=torch.bfloat16, device="meta"), 8) == 2  # 1 padded row
     assert sharded_nbytes(torch.empty(0, 3, device="meta"), 4) == 0
+    assert sharded_nbytes(torch.empty(3, 5, device="meta"), 4, dim=1) == 3 * 2 * 4  # ceil(5/4) = 2 columns
 
 
 # ---- schema -------------------------------------------------------------------------------------
@@ -273,6 +298,8 @@ def test_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> No
         "offload",
         "wrap",
         "ignore",
+        "shard_placement",
+        "reduce_scatter_unused_params",
         "schedule",
     ]
 
@@ -291,6 +318,7 @@ def test_config_reference_doc_is_generated(capsys: pytest.CaptureFixture[str]) -
         "OffloadConfig",
         "WrapRule",
         "Match",
+        "ShardPlacementRule",
         "ScheduleConfig",
     ]
 

@@ -134,6 +134,37 @@ def test_rule_that_matches_nothing_lists_the_model_classes() -> None:
         fl.apply_config(tiny_gpt(), config, mesh=object())  # rejected before any mesh is used
 
 
+def test_shard_placement_rules_are_planned_and_checked() -> None:
+    """First match wins; a rule matching nothing is a problem; a dim the parameter lacks, or a Shard(d)
+    parameter in a group resharding to k ranks, is refused by name before anything is sharded."""
+    config = fl.FSDPConfig.model_validate(
+        {
+            "wrap": [{"match": {"class": "Block"}}],
+            "shard_placement": [
+                {"path": "blocks.0.mlp.*.weight", "dim": -1},
+                {"path": ["blocks.*.mlp.0.weight", "nothing.*"], "dim": 0},
+                {"path": "ln_f.*", "dim": 1},
+            ],
+        }
+    )
+    plan = fl.plan_config(tiny_gpt(), config)
+    expected = {"blocks.0.mlp.0.weight": 1, "blocks.0.mlp.2.weight": 1, "blocks.1.mlp.0.weight": 0}
+    assert plan.shard_dims == expected, plan.shard_dims
+    assert [p.location for p in plan.problems] == ["shard_placement.2"], plan.problems
+    bad = fl.FSDPConfig.model_validate(
+        {
+            "reshard_after_forward": 2,
+            "wrap": [{"match": {"class": "Block"}}],
+            "shard_placement": [{"path": "blocks.0.attn.qkv.*", "dim": 1}],
+        }
+    )
+    refused = {p.location: p.message for p in fl.plan_config(tiny_gpt(), bad).refused}
+    assert "dim 1, but the parameter has shape (48,)" in refused["blocks.0.attn.qkv.bias"], refused
+    assert "reshards to 2 ranks after forward" in refused["blocks.0.attn.qkv.weight"], refused
+    with pytest.raises(fl.ConfigError, match=r"blocks.0.attn.qkv.bias: shard_placement.0 asks for dim 1"):
+        fl.apply_config(tiny_gpt(), bad, mesh=object())  # rejected before any mesh is used
+
+
 def test_ignore_rules_select_parameters() -> None:
     config = fl.FSDPConfig(wrap=[WrapRule(match=Match(class_="Block"))], ignore=[Match(path="pos_emb.*")])
     assert list(fl.plan_config(tiny_gpt(), config).ignored) == ["pos_emb.weight"]
@@ -145,7 +176,7 @@ def config_file(name: str) -> fl.FSDPConfig:
 
 
 def check_parity_configs(rank: int, ws: int) -> None:
-    for name in ("fp32", "demo", "cpu_offload"):
+    for name in ("fp32", "demo", "cpu_offload", "shard_dim1"):
         config = config_file(name)
         torch.manual_seed(0)
         model = tiny_gpt()
@@ -177,6 +208,39 @@ def check_ignored_params(rank: int, ws: int) -> None:
     assert all(isinstance(p, DTensor) for n, p in model.named_parameters() if n != "pos_emb.weight")
     gpt_loss(model, gpt_batch(0, rank)).backward()
     assert model.pos_emb.weight.grad is not None and not isinstance(model.pos_emb.weight.grad, DTensor)
+
+
+def check_placement_and_group_flags(rank: int, ws: int) -> None:
+    """shard_placement rules reach fully_shard as a shard_placement_fn; reduce_scatter_unused_params
+    (top level, overridden per rule) and unshard_in_backward reach the groups."""
+    from torch.distributed.tensor import Shard
+
+    model = fl.apply_config(tiny_gpt(), config_file("shard_dim1"))
+    for name, param in model.named_parameters():
+        dim = 1 if name.startswith("blocks.") and ".mlp." in name and name.endswith(".weight") else 0
+        assert param.placements == (Shard(dim),), (name, param.placements)
+    config = fl.FSDPConfig.model_validate(
+        {
+            "reduce_scatter_unused_params": True,
+            "wrap": [
+                {"match": {"class": "Block"}, "reduce_scatter_unused_params": False},
+                {"match": {"path": "pos_emb"}, "unshard_in_backward": False},
+            ],
+        }
+    )
+    model = fl.apply_config(tiny_gpt(), config)
+    flags = {
+        name or "<root>": (m._fsdp_state.group.reduce_scatter_unused_params, m._fsdp_state.group.unshard_in_backward)
+        for name, m in model.named_modules()
+        if isinstance(m, fl.FSDPModule)
+    }
+    assert flags == {
+        "<root>": (True, True),
+        "blocks.0": (False, True),
+        "blocks.1": (False, True),
+        "pos_emb": (True, False),
+    }, flags
+    gpt_loss(model, gpt_batch(0, rank)).backward()  # pos_emb's backward needs no values: it runs sharded
 
 
 def check_mesh_mismatch(rank: int, ws: int) -> None:
@@ -213,6 +277,7 @@ def test_apply_config_on_two_ranks() -> None:
         check_parity_configs,
         check_bf16_config,
         check_ignored_params,
+        check_placement_and_group_flags,
         check_mesh_mismatch,
         check_schedule,
     )
