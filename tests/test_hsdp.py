@@ -96,6 +96,32 @@ def check_parity(rank: int, ws: int) -> None:
             )
 
 
+def check_shard_placement_fn(rank: int, ws: int) -> None:
+    """HSDP with matrices sharded on dim 1: (Replicate(), Shard(1)) holding torch.chunk's columns, and
+    DDP parity on a 2x2 mesh."""
+    mesh = hsdp_mesh(2, 2)
+
+    def dim1(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param.dim() == 2 else None
+
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fl.fully_shard(block, mesh, shard_placement_fn=dim1)
+        fl.fully_shard(model, mesh, shard_placement_fn=dim1)
+
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    ref = dict(copy.deepcopy(model).named_parameters())
+    shard(model)
+    for name, param in model.named_parameters():
+        dim = 1 if param.dim() == 2 else 0
+        assert param.placements == (Replicate(), Shard(dim)), (name, param.placements)
+        chunks = torch.chunk(ref[name].detach(), 2, dim=dim)
+        assert torch.equal(param.to_local(), chunks[mesh.get_local_rank(1)]), name
+    torch.manual_seed(0)
+    train_and_compare(UnevenMLP(), shard, mlp_batch, mlp_loss, rank, label="hsdp dim1")
+
+
 def check_all_reduce_accumulation(rank: int, ws: int) -> None:
     """set_requires_all_reduce(False) on all but the last microbatch == DDP's no_sync accumulation."""
     mesh = hsdp_mesh(2, 2)
@@ -206,6 +232,7 @@ def test_hsdp_on_four_ranks() -> None:
         4,
         check_placements,
         check_parity,
+        check_shard_placement_fn,
         check_all_reduce_accumulation,
         check_collective_groups,
         check_post_forward_reshard,

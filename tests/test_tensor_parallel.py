@@ -9,6 +9,8 @@ against one process training the plain model on the whole batch (every gradient 
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +140,28 @@ def check_2d(rank: int, ws: int) -> None:
         train_three_ways(mesh["dp"], mesh["tp"], hidden)
 
 
+def check_checkpoint_both_ways(rank: int, ws: int, path: str) -> None:
+    """A DCP checkpoint of fsdp2lite's dp x tp model loads into torch's fully_shard + TP model (and
+    torch's into fsdp2lite's): the same DTensors, value for value."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for first, second, name in (("fsdp2lite", "torch", "a"), ("torch", "fsdp2lite", "b")):
+        torch.manual_seed(0)
+        source = tp_and_shard(Model(10), mesh["dp"], mesh["tp"], first)
+        torch.manual_seed(1)
+        target = tp_and_shard(Model(10), mesh["dp"], mesh["tp"], second)
+        dcp.save(source.state_dict(), checkpoint_id=f"{path}/{name}")
+        state = target.state_dict()
+        dcp.load(state, checkpoint_id=f"{path}/{name}")
+        target.load_state_dict(state)
+        for (key, mine), (_, theirs) in zip(target.named_parameters(), source.named_parameters()):
+            assert mine.placements == theirs.placements, key
+            assert torch.equal(mine.full_tensor(), theirs.full_tensor()), f"{first} -> {second}: {key}"
+        dist.barrier()
+
+
 def check_2d_bf16(rank: int, ws: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     train_three_ways(mesh["dp"], mesh["tp"], 12, mixed_precision=True)
@@ -182,5 +206,13 @@ def check_bad_tp_meshes(rank: int, ws: int) -> None:
     assert not isinstance(block, fl.FSDPModule)
 
 
-def test_fsdp_with_tensor_parallel() -> None:
-    spawn_checks(4, check_2d, check_2d_bf16, check_hsdp_tp, check_collectives_stay_on_dp, check_bad_tp_meshes)
+def test_fsdp_with_tensor_parallel(tmp_path: Path) -> None:
+    spawn_checks(
+        4,
+        check_2d,
+        check_2d_bf16,
+        check_hsdp_tp,
+        check_collectives_stay_on_dp,
+        functools.partial(check_checkpoint_both_ways, path=str(tmp_path)),
+        check_bad_tp_meshes,
+    )
