@@ -8,6 +8,7 @@ the module's class to a subclass of ``FSDPModule`` in place. Call it bottom-up: 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ._runtime.group import FSDPParamGroup, check_post_forward_dims, check_post_forward_size
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
+from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -71,7 +73,10 @@ class FSDPModule:
         """Free (True), keep (False) or shrink to k-rank shards (int k) the unsharded parameters
         between forward and backward. An int creates process groups: call it on every rank."""
         _check_reshard_after_forward(reshard_after_forward, allow_none=False)
-        for group in self._groups(recurse):
+        groups = list(self._groups(recurse))
+        for group in groups:  # every group checked before any changes
+            group.check_reshard_after_forward(reshard_after_forward)
+        for group in groups:
             group.set_reshard_after_forward(reshard_after_forward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -220,8 +225,10 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
-            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise TypeError(f"gradient divide factor must be a number, got {factor!r} ({type(factor).__name__})")
+        if not 0 < factor < math.inf:
+            raise ValueError(f"gradient divide factor must be a positive, finite number, got {factor!r}")
         for group in self._groups(recurse=False):
             group.gradient_divide_factor = float(factor)
 
@@ -342,16 +349,21 @@ def fully_shard(
         check_post_forward_size(reshard_after_forward, mesh_info.shard_size)
         if 1 < reshard_after_forward < mesh_info.shard_size:
             check_post_forward_dims(reshard_after_forward, [(fqn, dim) for (fqn, _, _), dim in zip(owned, dims)])
-    params = tuple(
-        FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy, shard_dim=dim)
-        for (fqn, param, places), dim in zip(owned, dims)
-    )
-    _accept_full_tensors_on_load(params)
-    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
-    state = FSDPState(modules, group, mp_policy)
-    for m in modules:
-        m._fsdp_state = state  # type: ignore[assignment]
-        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
+    snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
+    try:
+        params = tuple(
+            FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy, shard_dim=dim)
+            for (fqn, param, places), dim in zip(owned, dims)
+        )
+        _accept_full_tensors_on_load(params)
+        group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
+        state = FSDPState(modules, group, mp_policy)
+        for m in modules:
+            m._fsdp_state = state  # type: ignore[assignment]
+            m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
+    except BaseException:
+        snapshot.restore()
+        raise
     return module
 
 
@@ -425,6 +437,14 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
     modules = tuple(module) if isinstance(module, list | tuple) else (module,)
     if not modules:
         raise ValueError("fully_shard got an empty list of modules; pass a module or a non-empty list")
+    seen: dict[int, int] = {}
+    for index, m in enumerate(modules):
+        if id(m) in seen:
+            raise ValueError(
+                f"fully_shard got the same {type(m).__name__} twice in its list (positions {seen[id(m)]} and "
+                f"{index}); list each module once"
+            )
+        seen[id(m)] = index
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")

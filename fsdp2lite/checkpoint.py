@@ -13,6 +13,7 @@ checkpoint raises the same clear error on every rank instead of failing on some 
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -35,17 +37,98 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save ``{"model": ..., "optim": ...}`` with DCP; collective: call it on every rank."""
-    dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    _check_arguments("save_checkpoint", path, model, optimizer)
+    if Path(path).exists() and not Path(path).is_dir():
+        raise CheckpointError(
+            f"{path}: exists and is a file; a checkpoint is a directory: pass a new or existing directory"
+        )
+    try:
+        dcp.save(_state(model, optimizer), checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path}: saving failed: {_first_failure(exc)}") from None
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Check, then load a DCP checkpoint into ``model`` (and ``optimizer``) in place; collective."""
+    """Check, then load a DCP checkpoint into ``model`` (and ``optimizer``) in place; collective.
+
+    All or nothing: the checkpoint is read into separate tensors first (for a moment, a second copy of
+    this rank's model and optimizer state) and copied into the model only once all of it was read, so a
+    damaged file raises ``CheckpointError`` naming the tensor and leaves the model and optimizer as they
+    were."""
+    _check_arguments("load_checkpoint", path, model, optimizer)
     state = _state(model, optimizer)
     check_checkpoint(path, state)
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    staged = _staged(state)
+    try:
+        dcp.load(staged, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:
+        damaged = damaged_items(path, read_metadata(path))
+        cause = "; ".join(damaged[:4]) if damaged else _first_failure(exc)
+        raise CheckpointError(
+            f"{path}: reading failed, nothing was loaded (model and optimizer unchanged): {cause}"
+        ) from None
+    set_model_state_dict(model, staged["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, staged["optim"])
+
+
+def _check_arguments(caller: str, path: Any, model: Any, optimizer: Any) -> None:
+    usage = f"{caller}(path, model, optimizer=None)"
+    if not isinstance(path, str | Path):
+        raise TypeError(f"{usage}: path must be a str or Path, got {type(path).__name__}")
+    if isinstance(model, torch.optim.Optimizer):
+        raise TypeError(
+            f"{usage}: got an optimizer ({type(model).__name__}) where the model goes; pass the model second"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{usage}: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{usage}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
+def _staged(value: Any) -> Any:
+    """A copy of a state dict's structure with a fresh, uninitialized tensor (DTensor: same placements) for
+    each tensor: what DCP reads into before anything of the model's is overwritten."""
+    if isinstance(value, dict):
+        return {key: _staged(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_staged(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    return value
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line for what went wrong: the first rank's exception, without DCP's embedded tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, (error, _) = sorted(failures.items())[0]
+        return f"rank {rank}: {type(error).__name__}: {_line(error)}"
+    return f"{type(exc).__name__}: {_line(exc)}"
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def damaged_items(path: str | Path, metadata: Metadata) -> list[str]:
+    """Tensors whose stored bytes cannot be decoded: ``name (file, bytes a..b)``, read one by one."""
+    saved = metadata.state_dict_metadata
+    found = []
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda item: str(item[0].fqn)):
+        relative = getattr(info, "relative_path", None)
+        if relative is None or not isinstance(saved.get(index.fqn), TensorStorageMetadata):
+            continue
+        where = f"{index.fqn} ({relative}, bytes {info.offset}..{info.offset + info.length})"
+        try:
+            with open(Path(path) / relative, "rb") as file:
+                file.seek(info.offset)
+                raw = file.read(info.length)
+            torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            found.append(f"damaged data for {where}: {type(exc).__name__}")
+    return found
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -73,6 +73,33 @@ class OffloadConfig(BaseModel):
         return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.device == "cpu" else OffloadPolicy()
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML requires unique keys; PyYAML
+    would keep the last value silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(
+                    Problem(
+                        f"line {line}",
+                        f"key {key!r} is given twice in one mapping (first on line {seen[key]})",
+                        "keep one of them: YAML keys must be unique, and the last would silently win",
+                    )
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 class Match(BaseModel):
     """Which modules (or, under ``ignore``, which parameters) a rule selects; given keys must all match."""
 
@@ -202,7 +229,9 @@ class FSDPConfig(BaseModel):
         except UnicodeDecodeError:
             raise ConfigError(path, [Problem("", "not a text file (not UTF-8): is this a YAML config?", "")]) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        except _DuplicateKey as exc:
+            raise ConfigError(path, [exc.problem]) from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -391,12 +420,70 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
             paths = tuple(p for p, _ in batch)
             depth = max(p.count(".") + 1 for p in paths)
             plan.groups.append(GroupPlan(paths, tuple(m for _, m in batch), index, policy, depth))
+    for group in plan.groups:
+        for path, module in zip(group.paths, group.modules):
+            if type(module).forward is nn.Module.forward:
+                plan.refused.append(
+                    Problem(
+                        path,
+                        f"a {type(module).__name__} has no forward, so fully_shard cannot make it a group "
+                        f"(matched by wrap.{group.rule_index})",
+                        f"match its children instead, e.g. path: '{path}.*'",
+                    )
+                )
     plan.groups.sort(key=lambda g: -g.depth)  # stable: rule order within a depth
     plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
     _plan_ignored(model, config, plan, class_names)
-    plan.params, plan.refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
+    plan.params, refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
+    plan.refused.extend(refused)
+    plan.refused.extend(_dtype_problems(plan))
     _plan_shard_dims(model, config, plan)
     return plan
+
+
+def _dtype_problems(plan: Plan) -> list[Problem]:
+    """A group all-gathers in one dtype: mixed parameter dtypes need a param_dtype (fully_shard's check)."""
+    problems = []
+    for group, params in zip(plan.groups, plan.params):
+        param_dtype = group.policy.mixed_precision.param_dtype
+        gathered = (
+            param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype for p in params.values()
+        )
+        dtypes = {str(dtype).removeprefix("torch.") for dtype in gathered}
+        if len(dtypes) > 1:
+            label = " + ".join(path or "<root>" for path in group.paths)
+            problems.append(
+                Problem(
+                    label,
+                    f"its parameters have several dtypes ({', '.join(sorted(dtypes))}), but a group all-gathers in one",
+                    "set mixed_precision.param_dtype for it, or give those parameters a group of their own",
+                )
+            )
+    return problems
+
+
+def mesh_problems(plan: Plan, config: FSDPConfig, shard_size: int) -> list[Problem]:
+    """What only the mesh decides: an int ``reshard_after_forward`` must divide the shard degree. Shared
+    by ``apply_config`` (its mesh) and ``explain`` (its ``--world-size``)."""
+    problems = []
+    divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
+    for group in plan.groups:
+        value = group.policy.reshard_after_forward
+        if isinstance(value, int) and not isinstance(value, bool) and shard_size % value:
+            rule = group.rule_index
+            location = (
+                "reshard_after_forward"
+                if rule is None or config.wrap[rule].reshard_after_forward is None
+                else f"wrap.{rule}.reshard_after_forward"
+            )
+            problem = Problem(
+                location,
+                f"{value} does not divide the shard degree {shard_size}",
+                f"use one of {divisors}, true or false",
+            )
+            if problem not in problems:
+                problems.append(problem)
+    return problems
 
 
 def _plan_shard_dims(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
@@ -533,17 +620,61 @@ def join_path(prefix: str, name: str) -> str:
 def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.Module:
     """Shard ``model`` as ``config`` says: matched groups bottom-up, then the root; returns ``model``.
 
-    ``mesh`` defaults to one built from ``config.mesh`` over the default process group. Raises
-    ``ConfigError`` listing every rule that matches nothing before anything is sharded.
+    ``mesh`` defaults to one built from ``config.mesh`` over the default process group. All or nothing:
+    every rule, parameter and mesh-dependent value is checked first (``ConfigError`` listing every
+    problem), and if sharding still fails part-way, every module is put back as it was.
     """
-    from .api import fully_shard
-    from .mesh import init_mesh
+    from ._snapshot import ModuleSnapshot
+    from .api import FSDPModule, fully_shard
+    from .mesh import init_mesh, mesh_info_for
 
+    _check_apply_arguments(model, config, mesh)
+    sharded = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"apply_config: {type(model).__name__} is already sharded (fully_shard was applied to "
+            f"{', '.join(sharded[:4])}{' ...' if len(sharded) > 4 else ''}); apply a config to an unsharded model"
+        )
     plan = plan_config(model, config)
-    if plan.problems or plan.refused:
-        raise ConfigError("config applied to " + type(model).__name__, plan.problems + plan.refused)
-    if mesh is None:
+    problems = plan.problems + plan.refused
+    if mesh is None and not problems:
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
+    if mesh is not None:
+        problems += mesh_problems(plan, config, mesh_info_for(mesh).shard_size)
+    if problems:
+        raise ConfigError("config applied to " + type(model).__name__, problems)
+    snapshot = ModuleSnapshot(model.modules())
+    try:
+        _shard_plan(model, config, plan, mesh, fully_shard)
+    except BaseException:
+        snapshot.restore()  # all or nothing: the model is as it was before the call
+        raise
+    return model
+
+
+def _check_apply_arguments(model: Any, config: Any, mesh: Any) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"apply_config(model, config, mesh=None): model must be an nn.Module, got {type(model).__name__}"
+        )
+    if isinstance(config, str | Path):
+        raise TypeError(
+            f"apply_config takes an FSDPConfig, got the path {str(config)!r}: "
+            f"pass fsdp2lite.FSDPConfig.from_yaml({str(config)!r})"
+        )
+    if isinstance(config, dict):
+        raise TypeError("apply_config takes an FSDPConfig, got a dict: pass fsdp2lite.FSDPConfig.model_validate(...)")
+    if not isinstance(config, FSDPConfig):
+        raise TypeError(
+            f"apply_config(model, config, mesh=None): config must be an FSDPConfig, got {type(config).__name__}"
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"apply_config: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+
+
+def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, fully_shard: Any) -> None:
     ignored = set(plan.ignored.values())
     params = dict(model.named_parameters())
     dims = {id(params[name]): dim for name, dim in plan.shard_dims.items()}
@@ -559,7 +690,6 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
         if not group.policy.unshard_in_backward and state.group is not None:
             module.set_unshard_in_backward(False)  # type: ignore[operator]
     config.schedule.apply_to(model)  # the model is the root: plans always end with it
-    return model
 
 
 def _placement_fn(dims: dict[int, int]) -> Any:

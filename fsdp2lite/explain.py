@@ -47,6 +47,7 @@ from .config import (
     Problem,
     ScheduleConfig,
     join_path,
+    mesh_problems,
     plan_config,
 )
 from .validate import problems_table
@@ -153,7 +154,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
         rows=rows,
         ignored=[ParamSize(name, p.numel(), param_nbytes(p)) for name, p in plan.ignored.items()],
         unmatched=list(plan.problems),
-        refused=list(plan.refused),
+        refused=list(plan.refused) + mesh_problems(plan, config, shard),
         large_in_root=_large_in_root(model, root_ids, ignored, total_bytes),
         total_numel=sum(p.numel() for p in unique.values()),
         total_bytes=total_bytes,
@@ -375,7 +376,7 @@ def show_explanation(console: Console, title: str, explanation: Explanation) -> 
     if explanation.unmatched:
         console.print(problems_table("error: rules that match nothing", explanation.unmatched))
     if explanation.refused:
-        console.print(problems_table("error: parameters apply_config cannot shard", explanation.refused))
+        console.print(problems_table("error: what apply_config would refuse", explanation.refused))
     if explanation.large_in_root:
         console.print(large_modules_table(explanation.large_in_root))
     console.print(summary_line(explanation), soft_wrap=True)

@@ -84,6 +84,11 @@ def init_mesh(*, replicate: int = 1, shard: int = -1, device_type: str | None = 
     """A mesh over the default process group: 1D ``("shard",)`` when ``replicate == 1``, else 2D
     ``("replicate", "shard")`` for HSDP. ``shard=-1`` takes the remaining ranks. ``device_type=None``:
     the process group's backend decides ([Note: device rule])."""
+    for name, value in (("replicate", replicate), ("shard", shard)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_mesh({name}=...) must be an int, got {value!r} ({type(value).__name__})")
+    if device_type is not None and not isinstance(device_type, str):
+        raise TypeError(f"init_mesh(device_type=...) must be a str like 'cuda' or 'cpu', or None; got {device_type!r}")
     require_default_group("init_mesh")
     replicate, shard = resolve_mesh_degrees(replicate, shard, dist.get_world_size())
     device_type = device_type or backend_device_type()  # [Note: device rule]

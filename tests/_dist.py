@@ -8,10 +8,15 @@ A rank whose checks all passed leaves with ``os._exit(0)`` once its process grou
 its output flushed, so an abort during interpreter finalization (seen in about 2-4% of short gloo runs
 on torch 2.13, with torch's own fully_shard too) can never fail a test whose checks passed; a rank that
 raised still reports its traceback. See [Note: rank exit] in ``fsdp2lite/_spawn.py``.
+
+Every process group has a timeout (``TIMEOUT_S``, or ``spawn(..., timeout_s=...)``): ranks that
+disagree on which collective comes next (a fault on one rank only) fail with gloo's timeout error
+instead of blocking the suite.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 from collections.abc import Callable
@@ -24,10 +29,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2lite._spawn import exit_rank_process
 
+TIMEOUT_S = 300  # a collective no rank answers fails after this long instead of hanging the suite
 
-def _entry(rank: int, fn: Callable[..., None], world_size: int, init_file: str, args: tuple[Any, ...]) -> None:
+
+def _entry(
+    rank: int, fn: Callable[..., None], world_size: int, init_file: str, args: tuple[Any, ...], timeout_s: float
+) -> None:
     torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows the suite down
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -42,12 +57,14 @@ def cpu_mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
 
 
-def spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+def spawn(fn: Callable[..., None], world_size: int, *args: Any, timeout_s: float = TIMEOUT_S) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; a collective that waits longer
+    than ``timeout_s`` (a hang: ranks that disagree on what to call) raises on its rank."""
     fd, init_file = tempfile.mkstemp(prefix="fsdp2lite_pg_")
     os.close(fd)
     os.unlink(init_file)  # FileStore wants a path it can create
     try:
-        mp.spawn(_entry, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(fn, world_size, init_file, args, timeout_s), nprocs=world_size, join=True)
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)

@@ -119,7 +119,7 @@ def test_setter_types() -> None:
         model.set_reshard_after_forward(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reshard_after_backward must be True or False"):
         model.set_reshard_after_backward(1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="positive number, got 0"):
+    with pytest.raises(ValueError, match="positive, finite number, got 0"):
         model.set_gradient_divide_factor(0)
 
 
@@ -127,7 +127,7 @@ def test_meta_parameters_at_first_forward() -> None:
     with torch.device("meta"):
         model = nn.Linear(4, 4)
     fl.fully_shard(model)
-    with pytest.raises(RuntimeError, match=r"'weight'.*still on the meta device.*to_empty"):
+    with pytest.raises(ValueError, match=r"'weight'.*still on the meta device.*to_empty"):
         model(torch.randn(2, 4))
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from _dist import spawn
 
@@ -36,3 +39,15 @@ def test_a_failing_rank_reports_its_traceback() -> None:
     traceback = r"(?s)in _fail\n.*ValueError: rank [01] of 2 failed on purpose"
     with pytest.raises(mp.ProcessRaisedException, match=traceback):
         spawn(_fail, 2)
+
+
+def _one_rank_waits_for_nothing(rank: int, world_size: int) -> None:
+    if rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends: a hang, bounded by the group's timeout
+
+
+def test_a_hang_fails_after_the_process_group_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"(?i)timed out|timeout"):
+        spawn(_one_rank_waits_for_nothing, 2, timeout_s=3)
+    assert time.monotonic() - start < 120, "the hang was not bounded by the timeout"

@@ -155,21 +155,27 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
 
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Record the user's value and resolve what it can now (None waits for lazy init)."""
-        self.reshard_after_forward_requested = value
-        self.reshard_after_forward = bool(value)
-        self.post_forward_group = None
+    def check_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Raise for a value this group cannot take (an int that does not divide the shard group size, or
+        one that would reshard parameters sharded on a dim other than 0)."""
         if isinstance(value, bool) or value is None:
             return
-        shard_size = self.mesh_info.shard_size
-        check_post_forward_size(value, shard_size)
-        if 1 < value < shard_size:
+        check_post_forward_size(value, self.mesh_info.shard_size)
+        if 1 < value < self.mesh_info.shard_size:
             check_post_forward_dims(value, self.params)
-        self.reshard_after_forward = value > 1
-        if 1 < value < shard_size:
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
+        self.check_reshard_after_forward(value)
+        post_forward_group = None
+        if isinstance(value, int) and not isinstance(value, bool) and 1 < value < self.mesh_info.shard_size:
             group, rank = self.mesh_info.post_forward_group(value)
-            self.post_forward_group = PostForwardGroup(group, value, rank)
+            post_forward_group = PostForwardGroup(group, value, rank)
+        self.reshard_after_forward_requested = value
+        self.reshard_after_forward = (
+            value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
+        )
+        self.post_forward_group = post_forward_group
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:

@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..policies import MixedPrecisionPolicy
@@ -293,6 +294,10 @@ class FSDPState:
             if state is not self and state not in states:
                 states.append(state)
         _check_one_mesh(states, names)
+        _check_root_settings(states, names)
+        for state in states:  # every check before any state changes: a failed first forward changes nothing
+            if state.group is not None:
+                _check_materialized(state.group, names[id(state)])
         context = RootContext(states, self.schedule_overrides)
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
@@ -314,13 +319,6 @@ class FSDPState:
             # the root keeps its parameters (backward starts with it), every other group frees them
             group.reshard_after_forward = not self.is_root
         group.reset_sharded_params()
-        for param in group.params:
-            if param.device.type == "meta":
-                raise RuntimeError(
-                    f"parameter '{param.fqn}' of group '{group.name or '<root>'}' is still on the meta "
-                    "device at the first forward: call model.to_empty(device=...) and initialize the "
-                    "parameters (e.g. reset_parameters()) before running the model"
-                )
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward_hook(
@@ -333,6 +331,8 @@ class FSDPState:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if self.pending_forward:
             return args, kwargs  # a later module of this call's group: unsharded already ([Note: group pass])
+        if self.is_root is None:
+            self.lazy_init()  # before any bookkeeping: if it raises, nothing has changed
         self.pending_forward.update(id(m) for m in self.modules)
         return self._pre_forward(args, kwargs)
 
@@ -451,6 +451,32 @@ def _attach_post_backward(
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree to ``dtype`` (others untouched)."""
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _check_materialized(group: FSDPParamGroup, name: str) -> None:
+    """No parameter may still be on the meta device at the first forward (as registered now: after
+    ``to_empty`` the module holds the new local tensors)."""
+    for param in group.params:
+        place = param.places[0]
+        registered = place.module._parameters[place.name]
+        local = registered._local_tensor if isinstance(registered, DTensor) else registered  # type: ignore[attr-defined]
+        if local is not None and local.device.type == "meta":
+            raise ValueError(
+                f"parameter '{param.fqn}' of group '{name or '<root>'}' is still on the meta device at the first "
+                "forward: call model.to_empty(device=...) and initialize the parameters (e.g. reset_parameters()) "
+                "before running the model; nothing was changed"
+            )
+
+
+def _check_root_settings(states: list[FSDPState], names: dict[int, str]) -> None:
+    """Root settings made on a module that turned out not to be the root would be silently ignored."""
+    for state in states[1:]:
+        if state.schedule_overrides:
+            setting = next(iter(state.schedule_overrides))
+            raise ValueError(
+                f"set_{setting} was called on '{names[id(state)]}', which is not the root: the root is the "
+                f"outermost fully_shard module ('{names[id(states[0])] or '<root>'}' here). Call it there"
+            )
 
 
 def _check_one_mesh(states: list[FSDPState], names: dict[int, str]) -> None:
