@@ -254,6 +254,13 @@ class FSDPModule:
             seen.add(id(state))
             yield state.group
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: keys and shapes are checked against the model
+        first, so a state dict that does not fit raises (RuntimeError, as torch's) before any value is
+        copied, naming every offending key."""
+        _check_state_dict_fits(self, state_dict, strict)  # type: ignore[arg-type]
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """After ``to``/``to_empty``/``cuda``, point the DTensors back at padded shards."""
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -285,6 +292,46 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.run_forward_method(module, method, args, kwargs)
 
     setattr(module, method_name, forward_method)
+
+
+def _check_state_dict_fits(module: nn.Module, state_dict: Any, strict: bool) -> None:
+    """What ``load_state_dict`` would reject, found before it copies anything: missing and unexpected
+    keys (``strict``) and shape mismatches (global shapes: a DTensor or a full tensor fits)."""
+    from collections.abc import Mapping
+
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_state_dict expects a mapping of names to tensors, got {type(state_dict).__name__}")
+    expected: dict[str, torch.Size | None] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in sub._parameters.items():
+            if param is not None:
+                expected[dot + name] = param.shape
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                expected[dot + name] = buffer.shape
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            expected[dot + "_extra_state"] = None
+    problems = []
+    if strict:
+        missing = [key for key in expected if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in expected]
+        if missing:
+            problems.append(f"Missing key(s) in state_dict: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"Unexpected key(s) in state_dict: {', '.join(unexpected)}")
+    for key, shape in expected.items():
+        value = state_dict.get(key)
+        if shape is not None and isinstance(value, torch.Tensor) and value.shape != shape:
+            problems.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                f"the shape in current model is {tuple(shape)}"
+            )
+    if problems:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__} (nothing was loaded):\n\t"
+            + "\n\t".join(problems)
+        )
 
 
 def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:

@@ -888,6 +888,31 @@ def test_checkpoint_that_does_not_fit(one_rank: DeviceMesh, tmp_path: Path) -> N
 
 def test_catalogue_size() -> None:
     """The catalogue covers at least 80 bad inputs (each parametrized case and each listed call)."""
-    listed = 6 + 1  # test_checkpoint_argument_errors' calls + the damaged checkpoint
+    listed = 6 + 1 + 4 + 2  # checkpoint argument calls, the damaged checkpoint, load_state_dict, first forward
     total = len(FULLY_SHARD) + len(FOUR_RANKS) + len(SETTERS) + len(YAML_CASES) + len(APPLY) + len(CLI) + listed
     assert total >= 80, total
+
+
+def test_load_state_dict_that_does_not_fit_loads_nothing(one_rank: DeviceMesh) -> None:
+    """torch's load_state_dict copies every key that fits before it raises for the ones that do not;
+    an FSDPModule checks first: nothing is copied, and the right dict then loads."""
+    model = sharded()
+    torch.manual_seed(5)
+    other = UnevenMLP()
+    good = other.state_dict()  # plain full tensors, other values than the model's
+    bad_shape = {k: (v[:-1] if k == "head.weight" else v) for k, v in good.items()}
+    missing = {k: v for k, v in good.items() if k != "blocks.1.down.bias"}
+    extra = {**good, "blocks.0.nope": torch.zeros(1)}
+    before = fingerprint(model)
+    for state, match in (
+        (bad_shape, r"nothing was loaded[\s\S]*size mismatch for head.weight: copying a param with shape \(1, 16\)"),
+        (missing, r"Missing key\(s\) in state_dict: blocks.1.down.bias"),
+        (extra, r"Unexpected key\(s\) in state_dict: blocks.0.nope"),
+        ([1, 2], r"expects a mapping of names to tensors, got list"),
+    ):
+        with pytest.raises((RuntimeError, TypeError), match=match):
+            model.load_state_dict(state)
+        assert_unchanged(model, before)
+    model.load_state_dict(good)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.full_tensor(), good[name]), name

@@ -131,7 +131,7 @@ def test_rule_that_matches_nothing_lists_the_model_classes() -> None:
     assert [p.location for p in plan.problems] == ["wrap.0.match", "ignore.0"]
     assert "Block" in plan.problems[0].suggestion and "Embedding" in plan.problems[0].suggestion
     with pytest.raises(fl.ConfigError, match=r"wrap.0.match: matches no module"):
-        fl.apply_config(tiny_gpt(), config, mesh=object())  # rejected before any mesh is used
+        fl.apply_config(tiny_gpt(), config)  # no process group here: rejected before a mesh is built
 
 
 def test_shard_placement_rules_are_planned_and_checked() -> None:
@@ -162,7 +162,7 @@ def test_shard_placement_rules_are_planned_and_checked() -> None:
     assert "dim 1, but the parameter has shape (48,)" in refused["blocks.0.attn.qkv.bias"], refused
     assert "reshards to 2 ranks after forward" in refused["blocks.0.attn.qkv.weight"], refused
     with pytest.raises(fl.ConfigError, match=r"blocks.0.attn.qkv.bias: shard_placement.0 asks for dim 1"):
-        fl.apply_config(tiny_gpt(), bad, mesh=object())  # rejected before any mesh is used
+        fl.apply_config(tiny_gpt(), bad)  # no process group here: rejected before a mesh is built
 
 
 def test_ignore_rules_select_parameters() -> None:
@@ -316,7 +316,7 @@ def test_ties_across_sibling_groups_are_refused() -> None:
     assert [p.location for p in plan.refused] == ["tok_emb.weight"]
     assert "tied to a parameter that group 'head' already owns" in plan.refused[0].message
     with pytest.raises(fl.ConfigError, match="tok_emb.weight: tied"):
-        fl.apply_config(tiny_gpt(), config, mesh=object())
+        fl.apply_config(tiny_gpt(), config)  # no process group: refused before a mesh is built
     grouped = fl.FSDPConfig(wrap=[WrapRule(match=Match(path=["head", "tok_emb"]), group=True)])
     assert not fl.plan_config(tiny_gpt(), grouped).refused
 
