@@ -916,3 +916,22 @@ def test_load_state_dict_that_does_not_fit_loads_nothing(one_rank: DeviceMesh) -
     model.load_state_dict(good)
     for name, param in model.named_parameters():
         assert torch.equal(param.full_tensor(), good[name]), name
+
+
+def test_fully_shard_after_a_refusal_the_fix_works(one_rank: DeviceMesh) -> None:
+    """Doing what the message says works on the very module that was refused: nothing was left behind."""
+    model = mlp()
+    with pytest.raises(ValueError, match=r"same Linear twice"):
+        fl.fully_shard([model.head, model.head])
+    fl.fully_shard([model.head])  # each module once
+    mixed = Mixed()
+    with pytest.raises(ValueError, match=r"param_dtype"):
+        fl.fully_shard(mixed)
+    fl.fully_shard(mixed, mp_policy=fl.MixedPrecisionPolicy(param_dtype="bf16"))
+    mixed(torch.randn(3, 2)).float().sum().backward()
+    assert all(p.grad is not None for p in mixed.parameters())
+    scalar = Scalar()
+    with pytest.raises(ValueError, match=r"0-dim"):
+        fl.fully_shard(scalar)
+    fl.fully_shard(scalar, ignored_params={scalar.scale})
+    assert isinstance(scalar, fl.FSDPModule) and not hasattr(scalar.scale, "placements")

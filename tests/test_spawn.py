@@ -48,6 +48,7 @@ def _one_rank_waits_for_nothing(rank: int, world_size: int) -> None:
 
 def test_a_hang_fails_after_the_process_group_timeout() -> None:
     start = time.monotonic()
-    with pytest.raises(mp.ProcessRaisedException, match=r"(?i)timed out|timeout"):
+    # rank 0 times out; rank 1, waiting for it in the final barrier, may report the closed connection first
+    with pytest.raises(mp.ProcessRaisedException, match=r"(?i)timed out|timeout|connection closed by peer"):
         spawn(_one_rank_waits_for_nothing, 2, timeout_s=3)
     assert time.monotonic() - start < 120, "the hang was not bounded by the timeout"
