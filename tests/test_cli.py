@@ -11,7 +11,7 @@ import torch
 
 import fsdp2lite
 from fsdp2lite.cli import main
-from fsdp2lite.demo import make_text, param_bytes, sample_batch
+from fsdp2lite.cli.demo import make_text, param_bytes, sample_batch
 from fsdp2lite.models import GPT, GPTConfig, shard_gpt
 
 # A table row: "│    0 │     10,624 │     21,248 │     0.500 │" (any box characters)

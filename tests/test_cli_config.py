@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 
 from fsdp2lite.cli import main
+from fsdp2lite.cli.demo import builtin_policy, load_policy
+from fsdp2lite.cli.explain import Explanation, explain_config, sharded_nbytes
+from fsdp2lite.cli.schema import markdown_reference
 from fsdp2lite.config import FSDPConfig
-from fsdp2lite.demo import builtin_policy, load_policy
-from fsdp2lite.explain import Explanation, explain_config, sharded_nbytes
 from fsdp2lite.models import GPT, GPTConfig
-from fsdp2lite.schema_doc import markdown_reference
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(path) for path in (REPO / "configs").glob("*.yaml"))
@@ -328,7 +328,7 @@ def test_demo_default_policy_is_configs_demo_yaml(monkeypatch: pytest.MonkeyPatc
     policy, source = load_policy(None)
     assert source.endswith("demo.yaml") and policy == FSDPConfig.from_yaml(REPO / "configs" / "demo.yaml")
     assert builtin_policy() == policy  # the fallback says the same
-    monkeypatch.setattr("fsdp2lite.demo.DEFAULT_CONFIG_PATH", tmp_path / "demo.yaml")
+    monkeypatch.setattr("fsdp2lite.cli.demo.DEFAULT_CONFIG_PATH", tmp_path / "demo.yaml")
     policy, source = load_policy(None)
     assert policy == builtin_policy() and source.startswith("built-in")
 
@@ -361,7 +361,7 @@ def test_demo_missing_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_explain_model_is_built_on_meta() -> None:
-    from fsdp2lite.explain import build_on_meta, load_factory
+    from fsdp2lite.cli.explain import build_on_meta, load_factory
 
     model = build_on_meta(load_factory(FACTORY), FACTORY)
     assert {p.device.type for p in model.parameters()} == {"meta"}

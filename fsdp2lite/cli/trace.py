@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .trace import load_events, load_schedule, summarize
+from ..trace import load_events, load_schedule, summarize
 
 DESCRIPTION = (
     "Summarize a trace saved with fsdp2lite.record_trace(...).save_chrome_trace(PATH): per group, the time the "

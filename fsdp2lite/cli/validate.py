@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .config import ConfigError, FSDPConfig, Problem
+from ..config import ConfigError, FSDPConfig, Problem
 
 DESCRIPTION = (
     "Check fsdp2lite YAML policy files against the schema: a check line per valid file, a table of every "

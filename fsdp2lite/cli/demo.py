@@ -39,10 +39,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
-from ._spawn import exit_rank_process
-from .cli import USAGE_EXIT_CODE, UsageError, non_negative_int, positive_float, positive_int
-from .config import ConfigError, FSDPConfig, Match, WrapRule, apply_config, plan_config
-from .models import GPT, GPTConfig
+from .._spawn import exit_rank_process
+from ..config import ConfigError, FSDPConfig, Match, WrapRule, apply_config, plan_config
+from ..models import GPT, GPTConfig
+from ._args import USAGE_EXIT_CODE, UsageError, non_negative_int, positive_float, positive_int
 from .validate import problems_table
 
 DESCRIPTION = (
@@ -52,7 +52,7 @@ DESCRIPTION = (
 MAX_WORLD_SIZE = 64  # one process per rank on this machine; more is a typo, not a demo
 _PROG = "fsdp2lite demo"
 # configs/demo.yaml of the repository this package lives in; absent from a non-editable install
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 _POLICY = ("policy", "policy_source")  # DemoConfig fields that come from --config, not from one flag each
 
 

@@ -37,9 +37,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ._runtime.state import ScheduleDefaults, schedule_defaults
-from .cli import UsageError, positive_int
-from .config import (
+from .._runtime.state import ScheduleDefaults, schedule_defaults
+from ..config import (
     ConfigError,
     FSDPConfig,
     GroupPlan,
@@ -50,6 +49,7 @@ from .config import (
     mesh_problems,
     plan_config,
 )
+from ._args import UsageError, positive_int
 from .validate import problems_table
 
 DESCRIPTION = (

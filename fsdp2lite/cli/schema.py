@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from .config import FSDPConfig
+from ..config import FSDPConfig
 
 DESCRIPTION = "Print the YAML policy schema: JSON Schema (default) or a Markdown reference (--markdown)."
 GENERATED_NOTE = (
