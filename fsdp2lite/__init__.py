@@ -11,6 +11,7 @@ from __future__ import annotations
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
+from .estimate import MemoryEstimate, estimate_memory
 from .mesh import init_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .trace import record_trace
@@ -23,11 +24,13 @@ __all__ = [
     "ConfigError",
     "FSDPConfig",
     "FSDPModule",
+    "MemoryEstimate",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "__version__",
     "apply_config",
+    "estimate_memory",
     "fully_shard",
     "init_mesh",
     "load_checkpoint",

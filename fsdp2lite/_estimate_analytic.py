@@ -1,0 +1,209 @@
+"""``estimate_memory(method="analytic")``: a closed form from the plan, plus one traced forward for activations.
+
+Terms, per rank (bytes):
+    S   the sharded parameters: each group's padded shards in the parameters' dtype (whole for ignored ones)
+    O   optimizer state: AdamW 2 S (+ a step counter per tensor), SGD with momentum S, none 0
+    R   the root group's unsharded parameters (kept between forward and backward), in param_dtype
+    B   the largest other group's unsharded parameters, in param_dtype
+    A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
+        counted once), incl. the loss's
+    L   the model output (logits): backward starts with two temporaries of its size
+Candidates for the peak:
+    backward, at its start:   S + O + R + A + 2 L
+    backward, in a block:     S + O + R + R + 4 B + A - L (root grads, a block's params, grads, reduce
+                                                           buffer, prefetched all-gather; activations bound)
+    optimizer step:           S + O + S + S               (sharded grads, the foreach temporaries)
+The largest is the estimate; the notes name it and its largest term.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .config import FSDPConfig, plan_config
+from .estimate import MemoryEstimate, default_config, step_loss, token_inputs
+
+
+def analytic_estimate(
+    model_fn: Callable[[], nn.Module],
+    config: FSDPConfig | None,
+    world_size: int,
+    rank: int,
+    inputs_fn: Callable[[], Any] | None,
+    batch: int,
+    seq: int | None,
+    optimizer: str,
+    device: str,
+) -> MemoryEstimate:
+    with torch.device("meta"):
+        model = model_fn()
+    config = config or default_config(model)
+    _, shard = config.mesh.resolve(world_size)
+    plan = plan_config(model, config)
+    sharded: list[int] = []
+    unsharded: list[int] = []
+    reduced: list[int] = []
+    for group, params in zip(plan.groups, plan.params):
+        policy = group.policy.mixed_precision
+        sharded.append(sum(_shard_bytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
+        unsharded.append(sum(p.numel() * _size(_compute_dtype(p, policy.param_dtype)) for p in params.values()))
+        reduce_dtype = policy.reduce_dtype or policy.param_dtype
+        reduced.append(sum(p.numel() * _size(_compute_dtype(p, reduce_dtype)) for p in params.values()))
+    ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
+    terms = {"S": sum(sharded) + ignored}
+    tensors = sum(len(params) for params in plan.params)
+    terms["O"] = {"adamw": 2 * terms["S"] + 4 * tensors, "sgd": terms["S"], "none": 0}[optimizer]
+    terms["R"] = unsharded[-1]
+    terms["B"] = max(unsharded[:-1], default=0)
+    terms["B_r"] = max(reduced[:-1], default=0)
+    largest = max((_shard_bytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
+    terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
+    terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq)
+    name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
+    notes = (
+        f"peak = {name}: {FORMULAS[name]}",
+        "terms: " + ", ".join(f"{key} {value:,}" for key, value in terms.items()),
+        f"largest term: {max(terms, key=lambda k: terms[k])} ({TERMS[max(terms, key=lambda k: terms[k])]})",
+    )
+    breakdown = _breakdown(name, terms)
+    return MemoryEstimate(world_size, rank, peak, name.split(" ")[0], None, breakdown, "analytic", device, notes)
+
+
+FORMULAS = {
+    "backward": "S + O + R + A + 2L",
+    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L",
+    "optimizer": "2S + O + T",
+}
+TERMS = {
+    "S": "sharded parameters",
+    "O": "optimizer state",
+    "R": "root group unsharded",
+    "B": "largest block unsharded",
+    "B_r": "largest block in the reduce dtype",
+    "T": "optimizer temporaries",
+    "A": "activations",
+    "L": "model output",
+}
+
+
+def _candidates(t: dict[str, int]) -> dict[str, int]:
+    return {
+        "backward": t["S"] + t["O"] + t["R"] + t["A"] + 2 * t["L"],
+        "backward (in a block)": t["S"] + t["O"] + 2 * t["R"] + 3 * t["B"] + t["B_r"] + max(0, t["A"] - t["L"]),
+        "optimizer": 2 * t["S"] + t["O"] + t["T"],
+    }
+
+
+def _compute_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and param.is_floating_point() else param.dtype
+
+
+def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
+    """The candidate's terms under the breakdown's names; they sum to the estimate."""
+    s, o, r, b, a, out = (terms[k] for k in ("S", "O", "R", "B", "A", "L"))
+    if name == "backward":
+        return {
+            "params": s,
+            "unsharded_params": r,
+            "grads": 0,
+            "optimizer": o,
+            "activations": a,
+            "comm_buffers": 2 * out,
+        }
+    if name == "optimizer":
+        return {
+            "params": s,
+            "unsharded_params": 0,
+            "grads": s,
+            "optimizer": o,
+            "activations": 0,
+            "comm_buffers": terms["T"],
+        }
+    activations = max(0, a - out)
+    return {
+        "params": s,
+        "unsharded_params": r + 2 * b,
+        "grads": r + b,
+        "optimizer": o,
+        "activations": activations,
+        "comm_buffers": terms["B_r"],
+    }
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _shard_bytes(param: torch.Tensor, shard: int, dim: int) -> int:
+    if param.dim() == 0:
+        return param.element_size()
+    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
+    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
+
+
+def _trace_activations(
+    model_fn: Callable[[], nn.Module],
+    config: FSDPConfig,
+    inputs_fn: Callable[[], Any] | None,
+    batch: int,
+    seq: int | None,
+) -> tuple[int, int]:
+    """(bytes autograd saves in one forward and loss of the plain model, bytes of its output), on fake
+    tensors in the compute dtype (the config's top-level param_dtype, if any)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    dtype = config.mixed_precision.param_dtype
+    seen: set[Any] = set()
+    saved = 0
+    output_bytes = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        key = StorageWeakRef(tensor.untyped_storage())  # views of one storage count once
+        if key not in seen:
+            seen.add(key)
+            saved += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with FakeTensorMode():
+        model = model_fn()
+        if any(p.device.type == "meta" for p in model.parameters()):
+            model.to_empty(device="cpu")
+        if dtype is not None:  # the compute dtype: what the unsharded parameters and activations are in
+            for module in model.modules():
+                for name, param in module._parameters.items():
+                    if param is not None and param.is_floating_point():
+                        module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+        seen.update(StorageWeakRef(p.untyped_storage()) for p in model.parameters())  # not activations
+        if inputs_fn is not None:
+            value = inputs_fn()
+            inputs, token_model = (value if isinstance(value, tuple) else (value,)), False
+        else:
+            tokens = token_inputs(model, batch, seq)
+            if tokens is None:
+                raise ValueError(
+                    f"{type(model).__name__} is not a token model: pass inputs=... (CLI: --inputs MODULE:FN)"
+                )
+            inputs, token_model = tokens, True
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if token_model:  # the loss runs the forward: the output is (batch, seq, vocab) logits
+                step_loss(model, inputs, token_model)
+                element = _size(dtype) if dtype is not None else 4
+                output_bytes = inputs[0].numel() * model.cfg.vocab_size * element  # type: ignore[union-attr]
+            else:
+                output = model(*inputs)
+                first = output if isinstance(output, torch.Tensor) else next(iter(_floating(output)))
+                output_bytes = first.numel() * first.element_size()
+    return saved, output_bytes
+
+
+def _floating(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]

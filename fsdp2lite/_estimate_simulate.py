@@ -1,0 +1,202 @@
+"""``estimate_memory(method="simulate")``: the real runtime on fake tensors and a fake process group."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import FSDPConfig, apply_config
+from .estimate import MemoryEstimate, default_config, make_optimizer, step_loss, token_inputs
+from .mesh import init_mesh
+
+_SCHEDULE_SETTERS = (
+    ("forward_prefetch_depth", "set_forward_prefetch_depth"),
+    ("late_backward_prefetch", "set_late_backward_prefetch"),
+    ("overlap_reduce_scatter", "set_overlap_reduce_scatter"),
+)
+
+
+def simulate_estimate(
+    model_fn: Callable[[], nn.Module],
+    config: FSDPConfig | None,
+    world_size: int,
+    rank: int,
+    inputs_fn: Callable[[], Any] | None,
+    batch: int,
+    seq: int | None,
+    optimizer: str,
+    device: str,
+) -> MemoryEstimate:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        fake = FakeTensorMode()
+        with fake:
+            model = _materialized(model_fn())
+        config = config or default_config(model)
+        mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type="cpu")  # not fake
+        with fake:
+            apply_config(model, config, mesh)
+            target_device_settings(model, config, device)
+            opt = make_optimizer(optimizer, model, device)
+            inputs, token_model = _inputs(model, inputs_fn, batch, seq)
+            phases = _phases(model, opt, inputs, token_model)
+            for run in phases.values():
+                run()  # warm-up: optimizer state exists from here on, as in a steady-state step
+            return _measure(phases, model, opt, world_size, rank, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _materialized(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory must return an nn.Module, got {type(model).__name__}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        model.to_empty(device="cpu")  # fake tensors: shapes only
+    return model
+
+
+def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
+    """The target device's schedule defaults where the config says ``auto``, and its reduction: gloo's
+    in-place all-reduce on ``cpu``, a native reduce-scatter on ``cuda``."""
+    from ._runtime.state import schedule_defaults
+    from .api import FSDPModule
+
+    defaults = schedule_defaults(on_cuda=device == "cuda")
+    for key, setter in _SCHEDULE_SETTERS:
+        if getattr(config.schedule, key) == "auto":
+            getattr(model, setter)(getattr(defaults, key))
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._fsdp_state.group is not None:
+            module._fsdp_state.group._in_place_reduce = device == "cpu"
+
+
+def _inputs(
+    model: nn.Module, inputs_fn: Callable[[], Any] | None, batch: int, seq: int | None
+) -> tuple[tuple[Any, ...], bool]:
+    if inputs_fn is not None:
+        value = inputs_fn()
+        return (value if isinstance(value, tuple) else (value,)), False
+    tokens = token_inputs(model, batch, seq)
+    if tokens is None:
+        raise ValueError(
+            f"{type(model).__name__} is not a token model (no cfg.vocab_size and cfg.seq_len): pass inputs=..., "
+            "a function returning one rank's example inputs (CLI: --inputs MODULE:FN)"
+        )
+    return tokens, True
+
+
+def _phases(
+    model: nn.Module, opt: torch.optim.Optimizer | None, inputs: tuple[Any, ...], token_model: bool
+) -> dict[str, Callable[[], None]]:
+    """One step as its three phases, in order: forward (with the loss), backward, optimizer."""
+    losses: list[torch.Tensor] = []
+
+    def forward() -> None:
+        losses.append(step_loss(model, inputs, token_model))
+
+    def backward() -> None:
+        losses.pop().backward()
+
+    def optimizer() -> None:
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            model.zero_grad()
+
+    return {"forward": forward, "backward": backward, "optimizer": optimizer}
+
+
+def _measure(
+    phases: dict[str, Callable[[], None]],
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    world_size: int,
+    rank: int,
+    device: str,
+) -> MemoryEstimate:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(model, *([opt] if opt is not None else []))
+    peak_after: dict[str, int] = {}  # the running peak after each phase: the first to reach the end's is it
+    with tracker:
+        for name, run in phases.items():
+            run()
+            peak_after[name] = _total(tracker.get_tracker_snapshot("peak"))
+    snapshot = tracker.get_tracker_snapshot("peak")
+    categories = {
+        str(getattr(k, "value", k)): v
+        for dev, snap in snapshot.items()
+        if torch.device(dev).type != "meta"
+        for k, v in snap.items()
+    }
+    total = categories.get("Total", 0)
+    sharded = _sharded_param_bytes(model)
+    parameter = categories.get("Parameter", 0)
+    breakdown = {
+        "params": min(sharded, parameter),
+        "unsharded_params": max(0, parameter - sharded),
+        "grads": categories.get("Gradient", 0),
+        "optimizer": categories.get("Optstate", 0),
+        "activations": categories.get("Activation", 0),
+        "comm_buffers": sum(categories.get(k, 0) for k in ("Temp", "Buffer", "Other")),
+    }
+    phase = next(name for name, peak in peak_after.items() if peak >= total)
+    group = _peak_group(tracker, model, total) if phase != "optimizer" else None
+    return MemoryEstimate(world_size, rank, total, phase, group, breakdown, "simulate", device)
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    return sum(snap.get("Total", 0) for dev, snap in snapshot.items() if torch.device(dev).type != "meta")
+
+
+def _sharded_param_bytes(model: nn.Module) -> int:
+    """What the shards (and parameters left unsharded) take on this rank: their storages, padding included."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        state = getattr(module, "_fsdp_state", None)
+        group = state.group if state is not None else None
+        for param in group.params if group is not None else ():
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += param.padded_shard.untyped_storage().nbytes()
+    for param in model.parameters():
+        if not isinstance(param, DTensor):
+            total += param.numel() * param.element_size()  # ignored parameters stay whole
+    return total
+
+
+def _peak_group(tracker: Any, model: nn.Module, total: int) -> str | None:
+    """The innermost fsdp2lite group running at the peak (MemTracker keeps each module's own peak in
+    forward and in backward: the peak is in the modules whose peak it is); None when the peak falls
+    outside every group (the loss)."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    from .api import FSDPModule
+
+    names = {id(m): name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    best: tuple[int, str] | None = None
+    for module, stats in tracker.memory_tracking.items():
+        name = names.get(id(module))
+        if name is None:
+            continue
+        for state in (_ModState.PEAK_FW, _ModState.PEAK_BW):
+            snaps = stats.snapshots.get(state) or []
+            if any(dev_snap.get("Total") == total for snap in snaps for dev_snap in snap.values()):
+                depth = name.count(".") + 1 if name else 0
+                if best is None or depth > best[0]:
+                    best = (depth, name)
+    return None if best is None else best[1]

@@ -1,0 +1,257 @@
+"""``fsdp2lite estimate``: will it fit, and with what settings, before a job is launched.
+
+    fsdp2lite estimate --model fsdp2lite.models:gpt_small --world-size 64 --batch 4 --seq 256
+    fsdp2lite estimate --model pkg.mod:build --inputs pkg.mod:example --world-size 8 --method analytic
+    fsdp2lite estimate --model ... --world-size 8 --budget 80GiB --write-config fits.yaml
+
+One rank's peak of a steady-state training step and its composition (``fsdp2lite.estimate_memory``);
+with ``--budget``, the settings that change memory are searched (mixed precision, reshard after
+forward, forward prefetch depth) and the one with the least communication whose peak fits is
+reported and, with ``--write-config``, written as a YAML policy file. ``--json`` prints one JSON
+object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import ConfigError, FSDPConfig, plan_config
+from ..estimate import BREAKDOWN_KEYS, DEVICES, METHODS, OPTIMIZERS, MemoryEstimate, default_config, estimate_memory
+from ._args import UsageError, non_negative_int, positive_int
+from .explain import build_on_meta, human_bytes, load_factory
+from .validate import problems_table
+
+DESCRIPTION = (
+    "Estimate one rank's peak memory for a training step (forward, loss, backward, optimizer) at any world "
+    "size, before launching: simulated with the real runtime on fake tensors, or a closed form. With "
+    "--budget, find the settings with the least communication that fit."
+)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``1.5 TB``, ``123456`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 512MiB or 2e9 bytes, got {text!r}")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return int(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, metavar="MODULE:FACTORY", help="a no-argument function building the model"
+    )
+    parser.add_argument(
+        "--config", metavar="CONFIG.yaml", help="the policy file (default: one group per repeated block)"
+    )
+    parser.add_argument("--world-size", type=positive_int, required=True, help="ranks of the job")
+    parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank to estimate (uneven shards differ)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per rank (token models)")
+    parser.add_argument(
+        "--seq", type=positive_int, default=None, help="tokens per sequence (default: the model's seq_len)"
+    )
+    parser.add_argument(
+        "--inputs", metavar="MODULE:FN", help="a function returning one rank's example inputs (other models)"
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--method", choices=METHODS, default="simulate")
+    parser.add_argument("--device", choices=DEVICES, default="cuda", help="the target: NCCL on CUDA, or gloo on CPU")
+    parser.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="search settings that fit, e.g. 80GiB")
+    parser.add_argument("--write-config", metavar="OUT.yaml", help="with --budget: write the chosen settings")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.write_config and args.budget is None:
+        raise UsageError(
+            "--write-config needs --budget (it writes the settings the search chose)", prog="fsdp2lite estimate"
+        )
+    if args.rank >= args.world_size:
+        raise UsageError(
+            f"argument --rank: must be < --world-size ({args.world_size}), got {args.rank}", prog="fsdp2lite estimate"
+        )
+    console = Console()
+    factory = load_factory(args.model)
+    build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
+    inputs = load_factory(args.inputs) if args.inputs else None
+    loaded, config = _load_config(args, console)
+    if not loaded:
+        return 1
+    common = {
+        "world_size": args.world_size,
+        "rank": args.rank,
+        "inputs": inputs,
+        "batch": args.batch,
+        "seq": args.seq,
+        "optimizer": args.optimizer,
+        "method": args.method,
+        "device": args.device,
+    }
+    estimate = _estimate(factory, config, common, args.model)
+    console.print(estimate_table(f"{args.model}, world size {args.world_size}, rank {args.rank}", estimate))
+    record: dict[str, Any] = estimate.to_json()
+    code = 0
+    if args.budget is not None:
+        base = config or default_config(build_on_meta(factory, args.model))
+        choice, tried = search_budget(factory, base, common, args.budget, args.model)
+        console.print(search_table(args.budget, tried, choice))
+        record["budget"] = {"bytes": args.budget, "fits": choice is not None, "tried": tried}
+        if choice is None:
+            console.print(f"[red]nothing tried fits {human_bytes(args.budget)}[/red]")
+            code = 1
+        else:
+            record["budget"]["choice"] = choice
+            if args.write_config:
+                _write_config(args.write_config, base, choice)
+                console.print(f"wrote {args.write_config} (fsdp2lite validate accepts it; apply_config applies it)")
+    if args.json:
+        print(json.dumps(record))
+    return code
+
+
+def _load_config(args: argparse.Namespace, console: Console) -> tuple[bool, FSDPConfig | None]:
+    """(loaded, config); no --config: (True, None), the default plan."""
+    if not args.config:
+        return True, None
+    try:
+        return True, FSDPConfig.from_yaml(args.config)
+    except ConfigError as exc:
+        console.print(problems_table(f"{args.config}: invalid config", exc.problems))
+        return False, None
+
+
+def _estimate(factory: Any, config: FSDPConfig | None, common: dict[str, Any], spec: str) -> MemoryEstimate:
+    try:
+        return estimate_memory(factory, config, **common)
+    except (ValueError, TypeError, ConfigError) as exc:
+        raise UsageError(f"cannot estimate {spec}: {exc}", prog="fsdp2lite estimate") from None
+
+
+def estimate_table(title: str, estimate: MemoryEstimate) -> Table:
+    """The peak and what it is made of."""
+    table = Table(title=title)
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    for key in BREAKDOWN_KEYS:
+        value = estimate.breakdown.get(key, 0)
+        share = value / estimate.peak_bytes if estimate.peak_bytes else 0.0
+        table.add_row(key, human_bytes(value), f"{share:.0%}")
+    where = estimate.phase + (f", in group '{estimate.group or '<root>'}'" if estimate.group is not None else "")
+    table.add_row("[bold]peak[/bold]", f"[bold]{human_bytes(estimate.peak_bytes)}[/bold]", where)
+    caption = [f"method {estimate.method}, target {estimate.device}", *estimate.notes]
+    table.caption = "\n".join(caption)
+    return table
+
+
+# ---- the budget search ------------------------------------------------------------------------------
+SEARCH = {
+    "mixed_precision": ("fp32", "bf16"),
+    "reshard_after_forward": (False, True),
+    "forward_prefetch_depth": (1, 0),
+}
+
+
+def search_budget(
+    factory: Any, base: FSDPConfig, common: dict[str, Any], budget: int, spec: str
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """Every combination of ``SEARCH`` on top of ``base``, estimated; the fitting one with the least
+    communication per step (then the smallest peak) is the choice."""
+    model = build_on_meta(factory, spec)
+    tried = []
+    for values in itertools.product(*SEARCH.values()):
+        settings = dict(zip(SEARCH, values))
+        config = _with_settings(base, settings)
+        estimate = _estimate(factory, config, common, spec)
+        comm = communication_bytes(model, config, common["world_size"])
+        tried.append(
+            {**settings, "peak_bytes": estimate.peak_bytes, "comm_bytes": comm, "fits": estimate.peak_bytes <= budget}
+        )
+    fitting = [row for row in tried if row["fits"]]
+    choice = min(fitting, key=lambda row: (row["comm_bytes"], row["peak_bytes"])) if fitting else None
+    return choice, tried
+
+
+def _with_settings(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
+    data = base.model_dump(mode="json", by_alias=True)
+    data["mixed_precision"] = (
+        {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+        if settings["mixed_precision"] == "bf16"
+        else {"param_dtype": None, "reduce_dtype": None}
+    )
+    for rule in data["wrap"]:
+        rule.pop("mixed_precision", None)
+        rule.pop("reshard_after_forward", None)
+    data["reshard_after_forward"] = settings["reshard_after_forward"]
+    data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]
+    return FSDPConfig.model_validate(data)
+
+
+def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
+    """Bytes one rank's collectives cover per step: each group all-gathered in forward (again in backward
+    when resharded after forward; never the root's, which keeps its parameters) and reduced once."""
+    plan = plan_config(model, config)
+    total = 0
+    for group, params in zip(plan.groups, plan.params):
+        policy = group.policy
+        param_dtype = policy.mixed_precision.param_dtype
+        reduce_dtype = policy.mixed_precision.reduce_dtype or param_dtype
+        numel = sum(p.numel() for p in params.values())
+        gather = numel * (_size(param_dtype) if param_dtype is not None else 4)
+        reduce = numel * (_size(reduce_dtype) if reduce_dtype is not None else 4)
+        root = group.rule_index is None
+        resharded = policy.reshard_after_forward is True or (policy.reshard_after_forward == "auto" and not root)
+        total += gather * (2 if resharded else 1) + reduce
+    return total
+
+
+def _size(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None) -> Table:
+    table = Table(title=f"settings searched for a budget of {human_bytes(budget)}")
+    for column in (*SEARCH, "peak", "comm/step", "fits"):
+        table.add_column(column, justify="right" if column in ("peak", "comm/step") else "left")
+    for row in sorted(tried, key=lambda r: (r["comm_bytes"], r["peak_bytes"])):
+        chosen = row is choice
+        style = "bold green" if chosen else ("" if row["fits"] else "dim")
+        table.add_row(
+            *(str(row[key]).lower() for key in SEARCH),
+            human_bytes(row["peak_bytes"]),
+            human_bytes(row["comm_bytes"]),
+            ("chosen" if chosen else "yes") if row["fits"] else "no",
+            style=style,
+        )
+    return table
+
+
+def _write_config(path: str, base: FSDPConfig, choice: dict[str, Any]) -> None:
+    config = _with_settings(base, choice)
+    text = f"# written by fsdp2lite estimate: fits with {choice['peak_bytes']:,} bytes at the peak\n" + config.to_yaml()
+    Path(path).write_text(text)
+    FSDPConfig.from_yaml(path)  # what was written reads back
