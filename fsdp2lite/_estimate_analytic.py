@@ -3,8 +3,9 @@
 Terms, per rank (bytes):
     S   the sharded parameters: each group's padded shards in the parameters' dtype (whole for ignored ones)
     O   optimizer state: AdamW 2 S (+ a step counter per tensor), SGD with momentum S, none 0
-    R   the root group's unsharded parameters (kept between forward and backward), in param_dtype
-    B   the largest other group's unsharded parameters, in param_dtype
+    R   the root group's unsharded parameters (kept between forward and backward), in param_dtype, padded
+        as the all-gather lays them out (shard degree x padded chunk: at large world sizes, mostly padding)
+    B   the largest other group's unsharded parameters, in param_dtype, padded the same way
     A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
         counted once), incl. the loss's
     L   the model output (logits): backward starts with two temporaries of its size
@@ -51,9 +52,11 @@ def analytic_estimate(
     for group, params in zip(plan.groups, plan.params):
         policy = group.policy.mixed_precision
         sharded.append(sum(_shard_bytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
-        unsharded.append(sum(p.numel() * _size(_compute_dtype(p, policy.param_dtype)) for p in params.values()))
+        dims = [plan.shard_dims.get(n, 0) for n in params]
+        padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
+        unsharded.append(sum(n * _size(_compute_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded)))
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
-        reduced.append(sum(p.numel() * _size(_compute_dtype(p, reduce_dtype)) for p in params.values()))
+        reduced.append(sum(n * _size(_compute_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     terms = {"S": sum(sharded) + ignored}
     tensors = sum(len(params) for params in plan.params)
@@ -97,6 +100,15 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
         "backward (in a block)": t["S"] + t["O"] + 2 * t["R"] + 3 * t["B"] + t["B_r"] + max(0, t["A"] - t["L"]),
         "optimizer": 2 * t["S"] + t["O"] + t["T"],
     }
+
+
+def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:
+    """Elements of a parameter's unsharded storage and of its slot in the flat collective buffers:
+    ``shard`` padded chunks (at large world sizes most of a small parameter is padding)."""
+    if param.dim() == 0:
+        return shard
+    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
+    return shard * math.ceil(param.shape[dim] / shard) * rest
 
 
 def _compute_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

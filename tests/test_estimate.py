@@ -1,0 +1,258 @@
+"""``fl.estimate_memory`` and ``fsdp2lite estimate``: estimates against what real ranks measure.
+
+``simulate`` against torch's MemTracker on real gloo ranks (every rank: uneven shards differ), within
+5%; ``analytic`` against ``simulate`` at world sizes 1, 8, 64 and 1024, within 15%; the CLI's table,
+JSON, budget search and written config; the bad inputs. benchmarks/bench_estimate.py runs the whole
+matrix (world 2 and 4, both configs of bench_step) and saves the numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import spawn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import fsdp2lite as fl
+from fsdp2lite.cli import main
+from fsdp2lite.estimate import BREAKDOWN_KEYS, make_optimizer
+from fsdp2lite.models import GPT, GPTConfig
+
+GPT_SHAPE = GPTConfig(vocab_size=1024, seq_len=64, d_model=128, n_heads=4, n_layers=3, tie_embeddings=True)
+PARAMS_SHAPE = GPTConfig(vocab_size=256, seq_len=16, d_model=384, n_heads=4, n_layers=3, tie_embeddings=True)
+BATCH = {"gpt": 4, "params": 1}
+BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+
+
+def shape_of(name: str) -> GPTConfig:
+    return GPT_SHAPE if name == "gpt" else PARAMS_SHAPE
+
+
+def config_for(bf16: bool, reshard: bool) -> fl.FSDPConfig:
+    return fl.FSDPConfig.model_validate(
+        {
+            "wrap": [{"match": {"class": "Block"}}],
+            "reshard_after_forward": reshard,
+            "mixed_precision": BF16 if bf16 else {},
+        }
+    )
+
+
+def measured_peak(rank: int, name: str, bf16: bool, reshard: bool) -> int:
+    """Real gloo ranks: the model sharded by the config, two steps, MemTracker on the second."""
+    torch.manual_seed(0)
+    cfg = shape_of(name)
+    model = fl.apply_config(GPT(cfg), config_for(bf16, reshard))
+    opt = make_optimizer("adamw", model, "cpu")
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH[name], cfg.seq_len + 1), generator=g)
+
+    def step() -> None:
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+
+
+CASES = [("gpt", False, True), ("gpt", True, True), ("params", False, False), ("params", True, True)]
+
+
+def run_measurements(rank: int, ws: int, out: str) -> None:
+    peaks = {f"{name}-{bf16}-{reshard}": measured_peak(rank, name, bf16, reshard) for name, bf16, reshard in CASES}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(peaks))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_simulate_within_5_percent_of_real_ranks(world_size: int, tmp_path: Path) -> None:
+    """Every case on every rank (world 3: uneven shards, so ranks differ)."""
+    spawn(run_measurements, world_size, str(tmp_path))
+    for rank in range(world_size):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, bf16, reshard in CASES:
+            estimate = fl.estimate_memory(
+                functools.partial(GPT, shape_of(name)),
+                config_for(bf16, reshard),
+                world_size=world_size,
+                rank=rank,
+                batch=BATCH[name],
+                device="cpu",
+            )
+            real = measured[f"{name}-{bf16}-{reshard}"]
+            assert abs(estimate.peak_bytes - real) <= 0.05 * real, (
+                name,
+                bf16,
+                reshard,
+                rank,
+                estimate.peak_bytes,
+                real,
+            )
+            assert sum(estimate.breakdown.values()) == estimate.peak_bytes
+            assert set(estimate.breakdown) == set(BREAKDOWN_KEYS)
+
+
+BENCH_SHAPES = {  # benchmarks/bench_step.py's two configs
+    "gpt": (GPTConfig(vocab_size=8192, seq_len=256, d_model=512, n_heads=8, n_layers=4, tie_embeddings=True), 4),
+    "params": (GPTConfig(vocab_size=1024, seq_len=64, d_model=1024, n_heads=8, n_layers=4, tie_embeddings=True), 1),
+}
+
+
+@pytest.mark.parametrize("name", ["gpt", "params"])
+def test_analytic_within_15_percent_of_simulate(name: str) -> None:
+    """bench_step's two shapes, fp32 at world sizes 1, 8, 64, 1024 and bf16 at 8 and 1024, last rank."""
+    shape, batch = BENCH_SHAPES[name]
+    for bf16, sizes in ((False, (1, 8, 64, 1024)), (True, (8, 1024))):
+        config = config_for(bf16, True)
+        for world_size in sizes:
+            kwargs = {"world_size": world_size, "rank": world_size - 1, "batch": batch}
+            simulated = fl.estimate_memory(functools.partial(GPT, shape), config, **kwargs)
+            analytic = fl.estimate_memory(functools.partial(GPT, shape), config, method="analytic", **kwargs)
+            ratio = analytic.peak_bytes / simulated.peak_bytes
+            assert 0.85 <= ratio <= 1.15, (name, bf16, world_size, ratio)
+            assert sum(analytic.breakdown.values()) == analytic.peak_bytes
+            assert analytic.notes and analytic.notes[0].startswith("peak = ")
+
+
+def test_estimate_follows_the_settings() -> None:
+    """What the estimate says moves the way the runtime does: more ranks, less per rank; bf16 less;
+    the default config is one group per Block (the same peak as that config written out)."""
+    build = functools.partial(GPT, GPT_SHAPE)
+    small = fl.estimate_memory(build, config_for(False, True), world_size=64, batch=4)
+    large = fl.estimate_memory(build, config_for(False, True), world_size=2, batch=4)
+    half = fl.estimate_memory(build, config_for(True, True), world_size=64, batch=4)
+    assert small.peak_bytes < large.peak_bytes and half.peak_bytes < small.peak_bytes
+    assert small.breakdown["params"] < large.breakdown["params"]
+    default = fl.estimate_memory(build, world_size=64, batch=4)
+    written = fl.estimate_memory(
+        build, fl.FSDPConfig.model_validate({"wrap": [{"match": {"class": "Block"}}]}), world_size=64, batch=4
+    )
+    assert default.peak_bytes == written.peak_bytes
+    assert default.phase in ("forward", "backward", "optimizer")
+    assert json.loads(json.dumps(default.to_json()))["peak_bytes"] == default.peak_bytes
+
+
+class Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def regressor_inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(32, 64),)
+
+
+def test_other_models_take_inputs() -> None:
+    estimate = fl.estimate_memory(Regressor, world_size=4, inputs=regressor_inputs)
+    assert estimate.breakdown["activations"] > 0 and estimate.peak_bytes > 0
+    with pytest.raises(ValueError, match=r"Regressor is not a token model.*inputs=\.\.\."):
+        fl.estimate_memory(Regressor, world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, r"world_size must be an int >= 1, got 0"),
+        ({"world_size": 4, "rank": 4}, ValueError, r"rank must be in 0 .. 3 for world_size 4, got 4"),
+        ({"world_size": 4, "method": "guess"}, ValueError, r"method must be one of simulate, analytic; got 'guess'"),
+        ({"world_size": 4, "optimizer": "adam"}, ValueError, r"optimizer must be one of adamw, sgd, none; got 'adam'"),
+        ({"world_size": 4, "device": "tpu"}, ValueError, r"device must be one of cuda, cpu; got 'tpu'"),
+        ({"world_size": 4, "seq": 10_000}, ValueError, r"seq=10000 is longer than the model's seq_len \(64\)"),
+        ({"world_size": 4, "config": "x.yaml"}, TypeError, r"config must be an FSDPConfig or None, got str"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        fl.estimate_memory(functools.partial(GPT, GPT_SHAPE), **kwargs)
+
+
+def test_not_inside_a_process_group() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"runs its own simulated process group.*method='analytic'"):
+            fl.estimate_memory(functools.partial(GPT, GPT_SHAPE), world_size=4)
+        assert fl.estimate_memory(functools.partial(GPT, GPT_SHAPE), world_size=4, method="analytic").peak_bytes > 0
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------
+
+MODEL = "test_estimate:small_gpt"
+
+
+def small_gpt() -> GPT:
+    return GPT(GPT_SHAPE)
+
+
+def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", MODEL, "--world-size", "8", "--batch", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert set(record) >= {"world_size", "rank", "peak_bytes", "phase", "breakdown", "method"}
+    assert record["world_size"] == 8 and record["method"] == "simulate"
+    assert sum(record["breakdown"].values()) == record["peak_bytes"]
+    assert "activations" in out and "peak" in out
+
+
+def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = fl.estimate_memory(small_gpt, config_for(False, True), world_size=8, batch=4, method="analytic").peak_bytes
+    out_path = tmp_path / "fits.yaml"
+    budget = str(int(full * 0.8))  # fp32 does not fit, bf16 does
+    argv = ["estimate", "--model", MODEL, "--world-size", "8", "--batch", "4", "--method", "analytic"]
+    assert main([*argv, "--budget", budget, "--write-config", str(out_path), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    choice = record["budget"]["choice"]
+    assert choice["mixed_precision"] == "bf16" and choice["peak_bytes"] <= int(budget)
+    assert all(row["comm_bytes"] >= choice["comm_bytes"] for row in record["budget"]["tried"] if row["fits"])
+    assert main(["validate", str(out_path)]) == 0
+    written = fl.FSDPConfig.from_yaml(out_path)
+    assert written.mixed_precision.param_dtype == torch.bfloat16
+    assert fl.estimate_memory(small_gpt, written, world_size=8, batch=4, method="analytic").peak_bytes <= int(budget)
+    assert main([*argv, "--budget", "1KiB"]) == 1  # nothing fits
+    assert "nothing tried fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget", "lots"], r"expected a size like 80GiB"),
+        (["--write-config", "x.yaml"], r"--write-config needs --budget"),
+        (["--rank", "9"], r"--rank: must be < --world-size \(8\)"),
+        (["--method", "guess"], r"invalid choice: 'guess'"),
+    ],
+)
+def test_cli_bad_flags_exit_2(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    assert main(["estimate", "--model", MODEL, "--world-size", "8", *extra]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_bad_model_spec_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", "nope:nothing", "--world-size", "2"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    from fsdp2lite.cli.estimate import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
+    assert copy.copy(parse_bytes("2MiB")) == 2 * 2**20
