@@ -7,7 +7,8 @@ Terms, per rank (bytes):
         as the all-gather lays them out (shard degree x padded chunk: at large world sizes, mostly padding)
     B   the largest other group's unsharded parameters, in param_dtype, padded the same way
     A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
-        counted once), incl. the loss's
+        counted once), incl. the loss's; with activation checkpointing, traced with it (block inputs)
+    A_r with activation checkpointing: one checkpointed module's activations, recomputed in its backward
     L   the model output (logits): backward starts with two temporaries of its size
 Candidates for the peak:
     backward, at its start:   S + O + R + A + 2 L
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import FSDPConfig, plan_config
+from .config import FSDPConfig, checkpoint_forward, plan_config
 from .estimate import MemoryEstimate, default_config, step_loss, token_inputs
 
 
@@ -66,7 +67,13 @@ def analytic_estimate(
     terms["B_r"] = max(reduced[:-1], default=0)
     largest = max((_shard_bytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
     terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
-    terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq)
+    terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq, ())
+    checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
+    terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
+    if checkpointed:
+        full = terms["A"]
+        terms["A"], _ = _trace_activations(model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
+        terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
     name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
     notes = (
         f"peak = {name}: {FORMULAS[name]}",
@@ -79,7 +86,7 @@ def analytic_estimate(
 
 FORMULAS = {
     "backward": "S + O + R + A + 2L",
-    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L",
+    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L + A_r",
     "optimizer": "2S + O + T",
 }
 TERMS = {
@@ -90,6 +97,7 @@ TERMS = {
     "B_r": "largest block in the reduce dtype",
     "T": "optimizer temporaries",
     "A": "activations",
+    "A_r": "one checkpointed module's recomputed activations",
     "L": "model output",
 }
 
@@ -97,7 +105,13 @@ TERMS = {
 def _candidates(t: dict[str, int]) -> dict[str, int]:
     return {
         "backward": t["S"] + t["O"] + t["R"] + t["A"] + 2 * t["L"],
-        "backward (in a block)": t["S"] + t["O"] + 2 * t["R"] + 3 * t["B"] + t["B_r"] + max(0, t["A"] - t["L"]),
+        "backward (in a block)": t["S"]
+        + t["O"]
+        + 2 * t["R"]
+        + 3 * t["B"]
+        + t["B_r"]
+        + max(0, t["A"] - t["L"])
+        + t["A_r"],
         "optimizer": 2 * t["S"] + t["O"] + t["T"],
     }
 
@@ -164,6 +178,7 @@ def _trace_activations(
     inputs_fn: Callable[[], Any] | None,
     batch: int,
     seq: int | None,
+    checkpointed: tuple[str, ...],
 ) -> tuple[int, int]:
     """(bytes autograd saves in one forward and loss of the plain model, bytes of its output), on fake
     tensors in the compute dtype (the config's top-level param_dtype, if any)."""
@@ -193,6 +208,8 @@ def _trace_activations(
                     if param is not None and param.is_floating_point():
                         module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
         seen.update(StorageWeakRef(p.untyped_storage()) for p in model.parameters())  # not activations
+        for path in checkpointed:
+            checkpoint_forward(model.get_submodule(path))
         if inputs_fn is not None:
             value = inputs_fn()
             inputs, token_model = (value if isinstance(value, tuple) else (value,)), False

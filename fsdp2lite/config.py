@@ -174,6 +174,9 @@ class WrapRule(BaseModel):
     unshard_in_backward: bool = Field(
         True, description="false: never all-gather these groups in backward (their backward needs no values)"
     )
+    activation_checkpointing: bool = Field(
+        False, description="true: recompute these modules' forward in backward instead of keeping activations"
+    )
 
 
 class ShardPlacementRule(BaseModel):
@@ -358,6 +361,7 @@ class GroupPolicy:
     offload: OffloadConfig
     reduce_scatter_unused_params: bool = False
     unshard_in_backward: bool = True
+    activation_checkpointing: bool = False
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         value = self.reshard_after_forward
@@ -539,6 +543,7 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
         top.offload if rule.offload is None else rule.offload,
         unused if rule.reduce_scatter_unused_params is None else rule.reduce_scatter_unused_params,
         rule.unshard_in_backward,
+        rule.activation_checkpointing,
     )
 
 
@@ -690,6 +695,24 @@ def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, ful
         if not group.policy.unshard_in_backward and state.group is not None:
             module.set_unshard_in_backward(False)  # type: ignore[operator]
     config.schedule.apply_to(model)  # the model is the root: plans always end with it
+    for group in plan.groups:  # last: nothing after this can fail
+        if group.policy.activation_checkpointing:
+            for module in group.modules:
+                checkpoint_forward(module)
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward instead of keeping its activations
+    (``torch.utils.checkpoint``, non-reentrant). fsdp2lite's hooks stay outside: the recompute runs
+    after the group's pre-backward unshard ([Note: recompute] in _runtime/state.py)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed  # type: ignore[method-assign]
 
 
 def _placement_fn(dims: dict[int, int]) -> Any:

@@ -243,6 +243,22 @@ def check_placement_and_group_flags(rank: int, ws: int) -> None:
     gpt_loss(model, gpt_batch(0, rank)).backward()  # pos_emb's backward needs no values: it runs sharded
 
 
+def check_activation_checkpointing(rank: int, ws: int) -> None:
+    """activation_checkpointing: true recomputes each Block's forward in backward (it runs twice per
+    step) and trains exactly like DDP."""
+    config = fl.FSDPConfig.model_validate({"wrap": [{"match": {"class": "Block"}, "activation_checkpointing": True}]})
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    calls = []
+    ours = {id(block.attn) for block in model.blocks}  # DDP's reference copy gets the hooks too
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda m, a, o: calls.append(1) if id(m) in ours else None)
+    train_and_compare(
+        model, lambda m: fl.apply_config(m, config), gpt_batch, gpt_loss, rank, steps=2, label="checkpointed"
+    )
+    assert len(calls) == 2 * 2 * TINY_GPT.n_layers, len(calls)  # 2 steps x (forward + recompute) per block
+
+
 def check_mesh_mismatch(rank: int, ws: int) -> None:
     config = fl.FSDPConfig.model_validate(
         {"mesh": {"replicate": 2, "shard": 3}, "wrap": [{"match": {"class": "Block"}}]}
@@ -278,6 +294,7 @@ def test_apply_config_on_two_ranks() -> None:
         check_bf16_config,
         check_ignored_params,
         check_placement_and_group_flags,
+        check_activation_checkpointing,
         check_mesh_mismatch,
         check_schedule,
     )

@@ -6,8 +6,9 @@
 
 One rank's peak of a steady-state training step and its composition (``fsdp2lite.estimate_memory``);
 with ``--budget``, the settings that change memory are searched (mixed precision, reshard after
-forward, forward prefetch depth) and the one with the least communication whose peak fits is
-reported and, with ``--write-config``, written as a YAML policy file. ``--json`` prints one JSON
+forward, forward prefetch depth, activation checkpointing of the groups) and the one with the least
+communication whose peak fits is reported and, with ``--write-config``, written as a YAML policy
+file. ``--json`` prints one JSON
 object last.
 """
 
@@ -171,6 +172,7 @@ SEARCH = {
     "mixed_precision": ("fp32", "bf16"),
     "reshard_after_forward": (False, True),
     "forward_prefetch_depth": (1, 0),
+    "activation_checkpointing": (False, True),
 }
 
 
@@ -178,7 +180,8 @@ def search_budget(
     factory: Any, base: FSDPConfig, common: dict[str, Any], budget: int, spec: str
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """Every combination of ``SEARCH`` on top of ``base``, estimated; the fitting one with the least
-    communication per step (then the smallest peak) is the choice."""
+    communication per step is the choice, then the one without activation checkpointing (which costs a
+    second forward), then the smallest peak."""
     model = build_on_meta(factory, spec)
     tried = []
     for values in itertools.product(*SEARCH.values()):
@@ -190,7 +193,11 @@ def search_budget(
             {**settings, "peak_bytes": estimate.peak_bytes, "comm_bytes": comm, "fits": estimate.peak_bytes <= budget}
         )
     fitting = [row for row in tried if row["fits"]]
-    choice = min(fitting, key=lambda row: (row["comm_bytes"], row["peak_bytes"])) if fitting else None
+    choice = (
+        min(fitting, key=lambda row: (row["comm_bytes"], row["activation_checkpointing"], row["peak_bytes"]))
+        if fitting
+        else None
+    )
     return choice, tried
 
 
@@ -204,6 +211,7 @@ def _with_settings(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
     for rule in data["wrap"]:
         rule.pop("mixed_precision", None)
         rule.pop("reshard_after_forward", None)
+        rule["activation_checkpointing"] = settings["activation_checkpointing"]
     data["reshard_after_forward"] = settings["reshard_after_forward"]
     data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]
     return FSDPConfig.model_validate(data)
@@ -237,7 +245,7 @@ def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any
     table = Table(title=f"settings searched for a budget of {human_bytes(budget)}")
     for column in (*SEARCH, "peak", "comm/step", "fits"):
         table.add_column(column, justify="right" if column in ("peak", "comm/step") else "left")
-    for row in sorted(tried, key=lambda r: (r["comm_bytes"], r["peak_bytes"])):
+    for row in sorted(tried, key=lambda r: (r["comm_bytes"], r["activation_checkpointing"], r["peak_bytes"])):
         chosen = row is choice
         style = "bold green" if chosen else ("" if row["fits"] else "dim")
         table.add_row(

@@ -294,6 +294,7 @@ def policy_lines(row: GroupRow) -> list[str]:
         for text, on in (
             ("reduce_scatter_unused_params=true", policy.reduce_scatter_unused_params),
             ("unshard_in_backward=false", not policy.unshard_in_backward),
+            ("activation_checkpointing=true", policy.activation_checkpointing),
         )
         if on
     ]
