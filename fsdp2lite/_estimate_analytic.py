@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from .config import FSDPConfig, checkpoint_forward, plan_config
-from .estimate import MemoryEstimate, default_config, step_loss, token_inputs
+from .estimate import MemoryEstimate, default_config, sharded_nbytes, step_loss, token_inputs
 
 
 def analytic_estimate(
@@ -52,7 +52,7 @@ def analytic_estimate(
     reduced: list[int] = []
     for group, params in zip(plan.groups, plan.params):
         policy = group.policy.mixed_precision
-        sharded.append(sum(_shard_bytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
+        sharded.append(sum(sharded_nbytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
         dims = [plan.shard_dims.get(n, 0) for n in params]
         padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
         unsharded.append(sum(n * _size(_compute_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded)))
@@ -65,7 +65,7 @@ def analytic_estimate(
     terms["R"] = unsharded[-1]
     terms["B"] = max(unsharded[:-1], default=0)
     terms["B_r"] = max(reduced[:-1], default=0)
-    largest = max((_shard_bytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
+    largest = max((sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
     terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
     terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
@@ -163,13 +163,6 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def _shard_bytes(param: torch.Tensor, shard: int, dim: int) -> int:
-    if param.dim() == 0:
-        return param.element_size()
-    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
-    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
 
 
 def _trace_activations(

@@ -190,6 +190,10 @@ def _check_arguments(
         )
 
 
-def padded_shard_bytes(numel_rows: int, rest: int, shard: int, element_size: int) -> int:
-    """Bytes of one rank's padded shard of a tensor with ``numel_rows`` rows of ``rest`` elements."""
-    return math.ceil(numel_rows / shard) * rest * element_size
+def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
+    """Bytes of one rank's padded shard of ``param`` sharded on ``dim`` over ``shard`` ranks:
+    ``ceil(size(dim) / shard)`` rows of the other dims' elements (what ``fully_shard`` allocates)."""
+    if param.dim() == 0:
+        return param.element_size()  # cannot be sharded: plan_config reports it
+    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
+    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()

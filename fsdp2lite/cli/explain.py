@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 from collections import Counter
@@ -49,6 +48,7 @@ from ..config import (
     mesh_problems,
     plan_config,
 )
+from ..estimate import sharded_nbytes
 from ._args import UsageError, positive_int
 from .validate import problems_table
 
@@ -127,14 +127,6 @@ class Explanation:
 
 def param_nbytes(param: torch.Tensor) -> int:
     return param.numel() * param.element_size()
-
-
-def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
-    """Bytes of one rank's padded shard: ``ceil(size(dim) / shard)`` rows of the other dims' elements."""
-    if param.dim() == 0:
-        return param.element_size()  # cannot be sharded (reported in ``refused``)
-    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
-    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
 
 
 def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Explanation:
