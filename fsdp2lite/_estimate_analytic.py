@@ -67,6 +67,12 @@ def analytic_estimate(
     terms["B_r"] = max(reduced[:-1], default=0)
     largest = max((sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
     terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
+    offloaded = [cost for cost, group in zip(sharded, plan.groups) if group.policy.offload.device == "cpu"]
+    share = sum(offloaded) / sum(sharded) if sum(sharded) else 0.0
+    host = int((terms["S"] + terms["O"]) * share)  # CPU offload: those shards and their optimizer state
+    terms["G_h"] = int(terms["S"] * share)  # ... and their sharded gradients, accumulating during backward
+    for key in ("S", "O", "T"):
+        terms[key] = int(terms[key] * (1 - share))  # what stays on the device
     terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
@@ -75,18 +81,24 @@ def analytic_estimate(
         terms["A"], _ = _trace_activations(model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
         terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
     name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
-    notes = (
+    notes: tuple[str, ...] = (
         f"peak = {name}: {FORMULAS[name]}",
         "terms: " + ", ".join(f"{key} {value:,}" for key, value in terms.items()),
         f"largest term: {max(terms, key=lambda k: terms[k])} ({TERMS[max(terms, key=lambda k: terms[k])]})",
     )
+    if share:
+        notes = (
+            *notes,
+            f"CPU offload: {share:.0%} of the shards and their optimizer state on the host ({host:,} bytes)",
+        )
     breakdown = _breakdown(name, terms)
-    return MemoryEstimate(world_size, rank, peak, name.split(" ")[0], None, breakdown, "analytic", device, notes)
+    phase = name.split(" ")[0]
+    return MemoryEstimate(world_size, rank, peak, phase, None, breakdown, "analytic", device, notes, host_bytes=host)
 
 
 FORMULAS = {
     "backward": "S + O + R + A + 2L",
-    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L + A_r",
+    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L + A_r (- G_h with CPU offload)",
     "optimizer": "2S + O + T",
 }
 TERMS = {
@@ -98,6 +110,7 @@ TERMS = {
     "T": "optimizer temporaries",
     "A": "activations",
     "A_r": "one checkpointed module's recomputed activations",
+    "G_h": "offloaded groups' sharded gradients (on the host)",
     "L": "model output",
 }
 
@@ -105,7 +118,8 @@ TERMS = {
 def _candidates(t: dict[str, int]) -> dict[str, int]:
     return {
         "backward": t["S"] + t["O"] + t["R"] + t["A"] + 2 * t["L"],
-        "backward (in a block)": t["S"]
+        "backward (in a block)": -t.get("G_h", 0)
+        + t["S"]
         + t["O"]
         + 2 * t["R"]
         + 3 * t["B"]
@@ -151,10 +165,11 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
             "comm_buffers": terms["T"],
         }
     activations = max(0, a - out)
+    grads = r + b - terms.get("G_h", 0)  # unsharded grads; offloaded sharded grads are on the host
     return {
         "params": s,
-        "unsharded_params": r + 2 * b,
-        "grads": r + b,
+        "unsharded_params": r + 2 * b + min(0, grads),
+        "grads": max(0, grads),
         "optimizer": o,
         "activations": activations,
         "comm_buffers": terms["B_r"],

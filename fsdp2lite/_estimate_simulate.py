@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import FSDPConfig, apply_config
-from .estimate import MemoryEstimate, default_config, make_optimizer, step_loss, token_inputs
+from .estimate import MemoryEstimate, default_config, make_optimizer, offloaded_share, step_loss, token_inputs
 from .mesh import init_mesh
 
 _SCHEDULE_SETTERS = (
@@ -153,7 +153,23 @@ def _measure(
     }
     phase = next(name for name, peak in peak_after.items() if peak >= total)
     group = _peak_group(tracker, model, total) if phase != "optimizer" else None
-    return MemoryEstimate(world_size, rank, total, phase, group, breakdown, "simulate", device)
+    host = _move_offloaded_to_host(model, breakdown)
+    peak = sum(breakdown.values())
+    return MemoryEstimate(world_size, rank, peak, phase, group, breakdown, "simulate", device, host_bytes=host)
+
+
+def _move_offloaded_to_host(model: nn.Module, breakdown: dict[str, int]) -> int:
+    """CPU offload: the offloaded groups' shards live on the host, and so do their gradients and
+    optimizer state (in the same proportion); take them out of the device's breakdown."""
+    offloaded, share = offloaded_share(model)
+    if not offloaded:
+        return 0
+    moved = {"params": min(offloaded, breakdown["params"])}
+    moved["grads"] = int(breakdown["grads"] * share)
+    moved["optimizer"] = int(breakdown["optimizer"] * share)
+    for key, value in moved.items():
+        breakdown[key] -= value
+    return sum(moved.values())
 
 
 def _total(snapshot: dict[Any, dict[Any, int]]) -> int:

@@ -17,7 +17,9 @@ counted once per storage): instant at any world size, within ~15% of ``simulate`
 
 ``device`` is the target: ``"cuda"`` (NCCL: a native reduce-scatter, CUDA's schedule defaults) or
 ``"cpu"`` (gloo: the in-place reduction, CPU's defaults). Both run on this machine's CPU; device
-memory that the caching allocator reserves beyond the tensors is not counted.
+memory that the caching allocator reserves beyond the tensors is not counted. With CPU offload in the
+config, the peak is the device's: the offloaded groups' shards, gradients and optimizer state are
+reported apart, as ``host_bytes``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class MemoryEstimate:
     method: str
     device: str
     notes: tuple[str, ...] = field(default=())  # analytic: the formula and which term dominates
+    host_bytes: int = 0  # with CPU offload: shards, their gradients and optimizer state on the host
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON record (``fsdp2lite estimate --json``)."""
@@ -197,3 +200,20 @@ def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
         return param.element_size()  # cannot be sharded: plan_config reports it
     rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
     return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
+
+
+def offloaded_share(model: nn.Module) -> tuple[int, float]:
+    """(bytes of the offloaded groups' shards, their share of all shard bytes) of a sharded model."""
+    total = offloaded = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        state = getattr(module, "_fsdp_state", None)
+        group = state.group if state is not None else None
+        for param in group.params if group is not None else ():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            nbytes = param.padded_shard.untyped_storage().nbytes()
+            total += nbytes
+            offloaded += nbytes if param.offload_to_cpu else 0
+    return offloaded, (offloaded / total if total else 0.0)

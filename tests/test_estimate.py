@@ -261,3 +261,23 @@ def test_parse_bytes() -> None:
 
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
     assert copy.copy(parse_bytes("2MiB")) == 2 * 2**20
+
+
+def test_cpu_offload_moves_shards_grads_and_optimizer_to_the_host() -> None:
+    """With offload, the device peak leaves out the shards and their optimizer state (reported as
+    host_bytes): device + host is what the same step holds without offload; analytic agrees within 15%."""
+    import warnings
+
+    build = functools.partial(GPT, BENCH_SHAPES["params"][0])
+    plain = config_for(False, True)
+    offload = fl.FSDPConfig.model_validate({**plain.model_dump(mode="json", by_alias=True), "offload": {"device": "cpu"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pin_memory on a CPU simulation
+        on_device = fl.estimate_memory(build, plain, world_size=8)
+        offloaded = fl.estimate_memory(build, offload, world_size=8)
+        analytic = fl.estimate_memory(build, offload, world_size=8, method="analytic")
+    assert offloaded.host_bytes > 0 and offloaded.peak_bytes < on_device.peak_bytes
+    assert offloaded.peak_bytes + offloaded.host_bytes == on_device.peak_bytes
+    assert offloaded.breakdown["params"] == 0
+    assert 0.85 <= analytic.peak_bytes / offloaded.peak_bytes <= 1.15, (analytic.peak_bytes, offloaded.peak_bytes)
+    assert analytic.host_bytes > 0 and any("CPU offload" in note for note in analytic.notes)

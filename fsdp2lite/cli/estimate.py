@@ -6,10 +6,9 @@
 
 One rank's peak of a steady-state training step and its composition (``fsdp2lite.estimate_memory``);
 with ``--budget``, the settings that change memory are searched (mixed precision, reshard after
-forward, forward prefetch depth, activation checkpointing of the groups) and the one with the least
-communication whose peak fits is reported and, with ``--write-config``, written as a YAML policy
-file. ``--json`` prints one JSON
-object last.
+forward, forward prefetch depth, activation checkpointing of the groups, CPU offload) and the one
+with the least communication whose peak fits is reported and, with ``--write-config``, written as a
+YAML policy file. ``--json`` prints one JSON object last.
 """
 
 from __future__ import annotations
@@ -162,6 +161,8 @@ def estimate_table(title: str, estimate: MemoryEstimate) -> Table:
         table.add_row(key, human_bytes(value), f"{share:.0%}")
     where = estimate.phase + (f", in group '{estimate.group or '<root>'}'" if estimate.group is not None else "")
     table.add_row("[bold]peak[/bold]", f"[bold]{human_bytes(estimate.peak_bytes)}[/bold]", where)
+    if estimate.host_bytes:
+        table.add_row("host (CPU offload)", human_bytes(estimate.host_bytes), "not in the peak")
     caption = [f"method {estimate.method}, target {estimate.device}", *estimate.notes]
     table.caption = "\n".join(caption)
     return table
@@ -173,6 +174,7 @@ SEARCH = {
     "reshard_after_forward": (False, True),
     "forward_prefetch_depth": (1, 0),
     "activation_checkpointing": (False, True),
+    "offload": (False, True),
 }
 
 
@@ -180,8 +182,8 @@ def search_budget(
     factory: Any, base: FSDPConfig, common: dict[str, Any], budget: int, spec: str
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """Every combination of ``SEARCH`` on top of ``base``, estimated; the fitting one with the least
-    communication per step is the choice, then the one without activation checkpointing (which costs a
-    second forward), then the smallest peak."""
+    communication per step is the choice, then one without CPU offload (host-device copies every step),
+    then one without activation checkpointing (a second forward), then the smallest peak."""
     model = build_on_meta(factory, spec)
     tried = []
     for values in itertools.product(*SEARCH.values()):
@@ -194,7 +196,10 @@ def search_budget(
         )
     fitting = [row for row in tried if row["fits"]]
     choice = (
-        min(fitting, key=lambda row: (row["comm_bytes"], row["activation_checkpointing"], row["peak_bytes"]))
+        min(
+            fitting,
+            key=lambda row: (row["comm_bytes"], row["offload"], row["activation_checkpointing"], row["peak_bytes"]),
+        )
         if fitting
         else None
     )
@@ -211,7 +216,9 @@ def _with_settings(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
     for rule in data["wrap"]:
         rule.pop("mixed_precision", None)
         rule.pop("reshard_after_forward", None)
+        rule.pop("offload", None)
         rule["activation_checkpointing"] = settings["activation_checkpointing"]
+    data["offload"] = {"device": "cpu" if settings["offload"] else "none", "pin_memory": True}
     data["reshard_after_forward"] = settings["reshard_after_forward"]
     data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]
     return FSDPConfig.model_validate(data)
@@ -245,7 +252,9 @@ def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any
     table = Table(title=f"settings searched for a budget of {human_bytes(budget)}")
     for column in (*SEARCH, "peak", "comm/step", "fits"):
         table.add_column(column, justify="right" if column in ("peak", "comm/step") else "left")
-    for row in sorted(tried, key=lambda r: (r["comm_bytes"], r["activation_checkpointing"], r["peak_bytes"])):
+    for row in sorted(
+        tried, key=lambda r: (r["comm_bytes"], r["offload"], r["activation_checkpointing"], r["peak_bytes"])
+    ):
         chosen = row is choice
         style = "bold green" if chosen else ("" if row["fits"] else "dim")
         table.add_row(
