@@ -156,7 +156,8 @@ def report(record: dict[str, Any]) -> str:
     return (
         "# bench_estimate\n\n## simulate vs MemTracker on real gloo ranks (MiB)\n\n"
         + markdown_table(
-            ("world", "rank", "shape", "dtype", "reshard", "measured", "simulated", "ratio", "phase"), sim_rows
+            ("world", "rank", "shape", "dtype", "reshard", "checkpointing", "measured", "simulated", "ratio", "phase"),
+            sim_rows,
         )
         + f"\n- worst: {worst_sim:.1%} (target <= 5%: {'met' if worst_sim <= 0.05 else 'MISSED'})\n\n"
         + "## analytic vs simulate (MiB, last rank)\n\n"

@@ -226,7 +226,13 @@ def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     choice = record["budget"]["choice"]
     assert choice["mixed_precision"] == "bf16" and choice["peak_bytes"] <= int(budget)
-    assert all(row["comm_bytes"] >= choice["comm_bytes"] for row in record["budget"]["tried"] if row["fits"])
+    tried = record["budget"]["tried"]
+    assert all(row["comm_bytes"] >= choice["comm_bytes"] for row in tried if row["fits"])
+    assert {row["reshard_after_forward"] for row in tried} == {False, True, 2}  # k = 2 for 8 ranks
+    assert {row["offload"] for row in tried} == {False, True}
+    assert {row["activation_checkpointing"] for row in tried} == {False, True}
+    by_reshard = {row["reshard_after_forward"]: row["comm_bytes"] for row in tried if row["mixed_precision"] == "fp32"}
+    assert by_reshard[False] < by_reshard[2] < by_reshard[True]  # backward all-gather over 0, 2 or 8 ranks
     assert main(["validate", str(out_path)]) == 0
     written = fl.FSDPConfig.from_yaml(out_path)
     assert written.mixed_precision.param_dtype == torch.bfloat16

@@ -169,7 +169,7 @@ def estimate_table(title: str, estimate: MemoryEstimate) -> Table:
 
 
 # ---- the budget search ------------------------------------------------------------------------------
-SEARCH = {
+SEARCH: dict[str, tuple[Any, ...]] = {
     "mixed_precision": ("fp32", "bf16"),
     "reshard_after_forward": (False, True),
     "forward_prefetch_depth": (1, 0),
@@ -178,16 +178,28 @@ SEARCH = {
 }
 
 
+def search_space(base: FSDPConfig, world_size: int) -> dict[str, tuple[Any, ...]]:
+    """``SEARCH``, with ``reshard_after_forward: k`` added for the divisor k of the shard degree
+    closest to its square root from below (when there is one between 1 and the degree)."""
+    _, shard = base.mesh.resolve(world_size)
+    divisors = [k for k in range(2, shard) if shard % k == 0 and k * k <= shard]
+    space = dict(SEARCH)
+    if divisors:
+        space["reshard_after_forward"] = (*SEARCH["reshard_after_forward"], divisors[-1])
+    return space
+
+
 def search_budget(
     factory: Any, base: FSDPConfig, common: dict[str, Any], budget: int, spec: str
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """Every combination of ``SEARCH`` on top of ``base``, estimated; the fitting one with the least
-    communication per step is the choice, then one without CPU offload (host-device copies every step),
-    then one without activation checkpointing (a second forward), then the smallest peak."""
+    """Every combination of the search space on top of ``base``, estimated; the fitting one with the
+    least communication per step is the choice, then one without CPU offload (host-device copies every
+    step), then one without activation checkpointing (a second forward), then the smallest peak."""
     model = build_on_meta(factory, spec)
+    space = search_space(base, common["world_size"])
     tried = []
-    for values in itertools.product(*SEARCH.values()):
-        settings = dict(zip(SEARCH, values))
+    for values in itertools.product(*space.values()):
+        settings = dict(zip(space, values))
         config = _with_settings(base, settings)
         estimate = _estimate(factory, config, common, spec)
         comm = communication_bytes(model, config, common["world_size"])
@@ -225,10 +237,14 @@ def _with_settings(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
 
 
 def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
-    """Bytes one rank's collectives cover per step: each group all-gathered in forward (again in backward
-    when resharded after forward; never the root's, which keeps its parameters) and reduced once."""
+    """Bytes one rank sends per step in its collectives (a ring sends (n - 1) / n of the buffer of an
+    n-rank all-gather or reduce-scatter): each group all-gathered over the shard group in forward,
+    again in backward when resharded after forward (over k ranks for ``reshard_after_forward: k``;
+    never the root's, which keeps its parameters by default), and reduce-scattered once. HSDP's
+    replica all-reduce is the same in every setting searched and left out."""
     plan = plan_config(model, config)
-    total = 0
+    _, shard = config.mesh.resolve(world_size)
+    total = 0.0
     for group, params in zip(plan.groups, plan.params):
         policy = group.policy
         param_dtype = policy.mixed_precision.param_dtype
@@ -236,10 +252,13 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         numel = sum(p.numel() for p in params.values())
         gather = numel * (_size(param_dtype) if param_dtype is not None else 4)
         reduce = numel * (_size(reduce_dtype) if reduce_dtype is not None else 4)
-        root = group.rule_index is None
-        resharded = policy.reshard_after_forward is True or (policy.reshard_after_forward == "auto" and not root)
-        total += gather * (2 if resharded else 1) + reduce
-    return total
+        ring = (shard - 1) / shard
+        value = policy.reshard_after_forward
+        if value == "auto":
+            value = group.rule_index is not None  # the root keeps its parameters, the others reshard
+        backward_ranks = shard if value is True else (value if isinstance(value, int) and value > 1 else 1)
+        total += gather * ring + gather * (backward_ranks - 1) / backward_ranks + reduce * ring
+    return int(total)
 
 
 def _size(dtype: Any) -> int:
@@ -250,8 +269,8 @@ def _size(dtype: Any) -> int:
 
 def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None) -> Table:
     table = Table(title=f"settings searched for a budget of {human_bytes(budget)}")
-    for column in (*SEARCH, "peak", "comm/step", "fits"):
-        table.add_column(column, justify="right" if column in ("peak", "comm/step") else "left")
+    for column in (*SEARCH, "peak", "sent/step", "fits"):
+        table.add_column(column, justify="right" if column in ("peak", "sent/step") else "left")
     for row in sorted(
         tried, key=lambda r: (r["comm_bytes"], r["offload"], r["activation_checkpointing"], r["peak_bytes"])
     ):
