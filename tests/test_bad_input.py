@@ -12,6 +12,7 @@ One process: a one-rank gloo group for what runs forward or touches files, the f
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -593,7 +594,7 @@ YAML_CASES = [
 @pytest.mark.parametrize(("name", "text", "location", "message"), YAML_CASES, ids=[c[0] for c in YAML_CASES])
 def test_yaml(name: str, text: str, location: str, message: str, tmp_path: Path) -> None:
     found = yaml_problems(tmp_path, text)
-    assert any(p.location.startswith(location) and __import__("re").search(message, p.message) for p in found), found
+    assert any(p.location.startswith(location) and re.search(message, p.message) for p in found), found
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
@@ -789,8 +790,6 @@ def test_cli(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import re
-
     try:
         got = main(argv(tmp_path))
     except SystemExit as exit_:  # argparse errors

@@ -8,7 +8,6 @@ matrix (world 2 and 4, both configs of bench_step) and saves the numbers.
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import json
@@ -266,7 +265,7 @@ def test_parse_bytes() -> None:
     from fsdp2lite.cli.estimate import parse_bytes
 
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
-    assert copy.copy(parse_bytes("2MiB")) == 2 * 2**20
+    assert parse_bytes("2MiB") == 2 * 2**20 and parse_bytes("0.5 KiB") == 512
 
 
 def test_cpu_offload_moves_shards_grads_and_optimizer_to_the_host() -> None:
@@ -276,7 +275,9 @@ def test_cpu_offload_moves_shards_grads_and_optimizer_to_the_host() -> None:
 
     build = functools.partial(GPT, BENCH_SHAPES["params"][0])
     plain = config_for(False, True)
-    offload = fl.FSDPConfig.model_validate({**plain.model_dump(mode="json", by_alias=True), "offload": {"device": "cpu"}})
+    offload = fl.FSDPConfig.model_validate(
+        {**plain.model_dump(mode="json", by_alias=True), "offload": {"device": "cpu"}}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pin_memory on a CPU simulation
         on_device = fl.estimate_memory(build, plain, world_size=8)
