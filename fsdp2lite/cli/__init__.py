@@ -55,6 +55,11 @@ SUBCOMMANDS = (
     ("demo", "demo", "train a small GPT sharded over CPU processes and show per-rank parameter bytes"),
     ("validate", "validate", "check YAML policy files against the schema"),
     ("explain", "explain", "show the groups, bytes per rank and policies a config gives a model"),
+    (
+        "migrate",
+        "migrate",
+        "turn an Accelerate, HF Trainer, DeepSpeed or torchtitan config into an fsdp2lite policy file",
+    ),
     ("estimate", "estimate", "estimate one rank's peak memory per step at any world size; search settings that fit"),
     ("schema", "schema", "print the YAML policy schema (JSON Schema or Markdown)"),
     ("trace", "trace", "read traces saved by fsdp2lite.record_trace"),

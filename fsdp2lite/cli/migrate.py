@@ -1,0 +1,75 @@
+"""``fsdp2lite migrate``: bring an Accelerate, HF Trainer, DeepSpeed or torchtitan setup over.
+
+    fsdp2lite migrate --from deepspeed ds_config.json -o fsdp2lite.yaml
+    fsdp2lite migrate --from hf-trainer fsdp_config.json --fsdp "full_shard auto_wrap" --json
+
+Every input key gets a row: mapped (to what), dropped (no equivalent in FSDP2-style sharding, and
+why), unsupported (what is missing), or unknown (a typo? the closest key the tool has). The policy
+file goes to ``-o`` (stdout without it), a comment on each key naming its source. Exit 1 when a key
+is unknown or the input cannot be migrated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..migrate import SOURCES, Migration, MigrationError, migrate
+from ._args import positive_int
+
+DESCRIPTION = (
+    "Turn an Accelerate FSDP config, HF Trainer fsdp_config, DeepSpeed ZeRO config or torchtitan TOML into an "
+    "fsdp2lite policy file, with a report of what maps, what is dropped and why, and what is not supported."
+)
+STYLES = {"mapped": "green", "dropped": "dim", "unsupported": "yellow", "unknown": "bold red"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", choices=SOURCES, required=True, help="the tool the input is for")
+    parser.add_argument("input", metavar="IN", help="the tool's config file (YAML, JSON or TOML)")
+    parser.add_argument("-o", "--output", metavar="OUT.yaml", help="write the policy file here (default: stdout)")
+    parser.add_argument("--fsdp", metavar="OPTIONS", help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap"')
+    parser.add_argument("--world-size", type=positive_int, help="deepspeed MiCS: the job's world size")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=args.output is None and not args.json)
+    try:
+        migration = migrate(args.source, args.input, fsdp_option=args.fsdp, world_size=args.world_size)
+    except MigrationError as exc:
+        console.print(f"[red]cannot migrate:[/red] {exc}")
+        return 1
+    console.print(report_table(migration))
+    text = migration.yaml()
+    if args.output:
+        Path(args.output).write_text(text)
+        console.print(f"wrote {args.output}")
+    elif not args.json:
+        sys.stdout.write(text)
+    if args.json:
+        record = {
+            "source": migration.source,
+            "input": migration.path,
+            "config": migration.config.model_dump(mode="json", by_alias=True),
+            "keys": [vars(k) for k in migration.keys],
+        }
+        print(json.dumps(record))
+    return 1 if migration.unknown else 0
+
+
+def report_table(migration: Migration) -> Table:
+    table = Table(title=f"{migration.path} (--from {migration.source})")
+    for column in ("key", "value", "status", "detail"):
+        table.add_column(column)
+    for key in migration.keys:
+        style = STYLES[key.status]
+        table.add_row(key.key, key.value[:40], f"[{style}]{key.status}[/{style}]", key.detail)
+    counts = {status: sum(k.status == status for k in migration.keys) for status in STYLES}
+    table.caption = ", ".join(f"{n} {status}" for status, n in counts.items())
+    return table

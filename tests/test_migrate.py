@@ -1,0 +1,236 @@
+"""``fsdp2lite migrate``: real-world configs of Accelerate, the HF Trainer, DeepSpeed and torchtitan.
+
+Each fixture (tests/migrate/) becomes a config that plans the sharding the source tool would do:
+the groups (one per block class), the mesh, reshard after forward, the dtypes, offload; every input
+key is reported mapped, dropped (with why) or unsupported; bad inputs get clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp2lite as fl
+from fsdp2lite.cli import main
+from fsdp2lite.migrate import MigrationError, migrate
+from fsdp2lite.models import GPT, GPTConfig
+
+FIXTURES = Path(__file__).resolve().parent / "migrate"
+TINY = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=2, tie_embeddings=False)
+
+
+class TransformerBlock(nn.Module):  # torchtitan's block class name
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class Titan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerBlock() for _ in range(2))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def statuses(m) -> dict[str, str]:
+    return {k.key: k.status for k in m.keys}
+
+
+def groups_of(config: fl.FSDPConfig, model: nn.Module) -> list[tuple[str, ...]]:
+    plan = fl.plan_config(model, config)
+    assert not plan.problems and not plan.refused, plan.problems + plan.refused
+    return [g.paths for g in plan.groups]
+
+
+CASES = {
+    # fixture: (source, extra kwargs, expected config fields)
+    "accelerate_fsdp2.yaml": (
+        "accelerate",
+        {},
+        {
+            "reshard_after_forward": True,
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "offload": "none",
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
+    "accelerate_fsdp1_hybrid.yaml": (
+        "accelerate",
+        {},
+        {"reshard_after_forward": True, "param_dtype": None, "offload": "cpu", "replicate": 2, "checkpointing": False},
+    ),
+    "hf_trainer.json": (
+        "hf-trainer",
+        {"fsdp_option": "shard_grad_op auto_wrap"},
+        {"reshard_after_forward": False, "param_dtype": None, "offload": "none", "replicate": 1, "checkpointing": True},
+    ),
+    "deepspeed_zero3_offload.json": (
+        "deepspeed",
+        {},
+        {
+            "reshard_after_forward": True,
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "offload": "cpu",
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
+    "deepspeed_zero2.json": (
+        "deepspeed",
+        {},
+        {
+            "reshard_after_forward": False,
+            "param_dtype": torch.float16,
+            "offload": "none",
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
+    "deepspeed_hpz.json": (
+        "deepspeed",
+        {},
+        {
+            "reshard_after_forward": 4,
+            "param_dtype": torch.bfloat16,
+            "offload": "none",
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
+    "deepspeed_mics.json": (
+        "deepspeed",
+        {"world_size": 16},
+        {
+            "reshard_after_forward": True,
+            "param_dtype": torch.bfloat16,
+            "offload": "none",
+            "replicate": 4,
+            "shard": 4,
+            "checkpointing": False,
+        },
+    ),
+    "torchtitan_llama3_8b.toml": (
+        "torchtitan",
+        {},
+        {
+            "reshard_after_forward": "auto",
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "offload": "none",
+            "replicate": 1,
+            "shard": -1,
+            "checkpointing": True,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(CASES))
+def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> None:
+    source, kwargs, expected = CASES[fixture]
+    m = migrate(source, FIXTURES / fixture, **kwargs)
+    config = m.config
+    assert not m.unknown, m.unknown
+    assert config.reshard_after_forward == expected["reshard_after_forward"]
+    assert config.mixed_precision.param_dtype == expected["param_dtype"]
+    if "reduce_dtype" in expected:
+        assert config.mixed_precision.reduce_dtype == expected["reduce_dtype"]
+    assert config.offload.device == expected["offload"]
+    assert config.mesh.replicate == expected["replicate"]
+    if "shard" in expected:
+        assert config.mesh.shard == expected["shard"]
+    assert all(rule.activation_checkpointing == expected["checkpointing"] for rule in config.wrap)
+    model = Titan() if source == "torchtitan" else GPT(TINY)
+    blocks = "layers" if source == "torchtitan" else "blocks"
+    assert groups_of(config, model) == [(f"{blocks}.0",), (f"{blocks}.1",), ("",)]  # a group per block, then the root
+    out = tmp_path / "out.yaml"
+    out.write_text(m.yaml())
+    assert fl.FSDPConfig.from_yaml(out) == config  # the written file reads back, comments and all
+    assert main(["validate", str(out)]) == 0
+    assert "# from " in m.yaml()
+    for report in m.keys:
+        assert report.detail, report  # every key says to what, or why not
+
+
+def test_reports_say_why() -> None:
+    m = migrate("deepspeed", FIXTURES / "deepspeed_zero3_offload.json")
+    by_key = {k.key: k for k in m.keys}
+    assert by_key["zero_optimization.reduce_bucket_size"].status == "dropped"
+    assert "one flat buffer per group" in by_key["zero_optimization.reduce_bucket_size"].detail
+    assert by_key["gradient_accumulation_steps"].status == "dropped"
+    assert "set_requires_gradient_sync" in by_key["gradient_accumulation_steps"].detail
+    assert by_key["zero_optimization.stage"].detail.startswith("reshard_after_forward: true")
+    titan = statuses(migrate("torchtitan", FIXTURES / "torchtitan_llama3_8b.toml"))
+    assert titan["training.steps"] == "dropped" and titan["parallelism.data_parallel_shard_degree"] == "mapped"
+
+
+def test_unknown_keys_get_a_suggestion_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_com": True}, "bf16": {"enabled": True}}))
+    m = migrate("deepspeed", bad)
+    [unknown] = m.unknown
+    assert unknown.key == "zero_optimization.overlap_com" and "zero_optimization.overlap_comm" in unknown.detail
+    assert main(["migrate", "--from", "deepspeed", str(bad), "-o", str(tmp_path / "o.yaml")]) == 1
+    assert main(["migrate", "--from", "deepspeed", str(FIXTURES / "deepspeed_zero2.json"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["config"]["reshard_after_forward"] is False and record["source"] == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    ("source", "text", "name", "match"),
+    [
+        ("deepspeed", '{"zero_optimization": {"stage": 1}}', "ds.json", r"ZeRO stage 1 does not shard parameters"),
+        ("deepspeed", '{"zero_optimization": {"stage": 3, "mics_shard_size": 4}}', "ds.json", r"pass --world-size"),
+        (
+            "deepspeed",
+            '{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}',
+            "ds.json",
+            r"cpu only",
+        ),
+        ("deepspeed", '{"train_batch_size": 8}', "ds.json", r"does not look like a deepspeed config.*--from right"),
+        ("deepspeed", "{not json", "ds.json", r"not valid JSON for --from deepspeed"),
+        ("accelerate", "distributed_type: MULTI_GPU\n", "a.yaml", r"distributed_type is 'MULTI_GPU'; only FSDP"),
+        ("accelerate", "fsdp_config:\n\tfsdp_version: 2\n", "a.yaml", r"not valid YAML for --from accelerate"),
+        (
+            "accelerate",
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n",
+            "a.yaml",
+            r"NO_SHARD.*use DDP",
+        ),
+        ("torchtitan", "[parallelism\n", "t.toml", r"not valid TOML"),
+        (
+            "torchtitan",
+            '[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n',
+            "t.toml",
+            r"default, always or never",
+        ),
+    ],
+)
+def test_bad_inputs(source: str, text: str, name: str, match: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(MigrationError, match=match):
+        migrate(source, path)
+
+
+def test_cli_bad_source_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["migrate", "--from", "megatron", "x"]) == 2
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err
+    assert main(["migrate", "--from", "deepspeed", str(tmp_path / "none.json")]) == 1
+    captured = capsys.readouterr()
+    assert "cannot read the file" in " ".join((captured.out + captured.err).split())
