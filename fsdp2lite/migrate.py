@@ -47,6 +47,7 @@ class Migration:
     data: dict[str, Any] = field(default_factory=dict)  # FSDPConfig fields
     origins: dict[str, str] = field(default_factory=dict)  # fsdp2lite key -> input key(s)
     keys: list[KeyReport] = field(default_factory=list)
+    model: Any = None  # for size-based wrapping: the model (built on meta) whose modules are named
 
     @property
     def config(self) -> FSDPConfig:
@@ -377,7 +378,7 @@ def _wrap_policy(m: Migration, value: Any, origin: str) -> str:
     if value in ("NO_WRAP", None):
         return "nothing (the root only)"
     if value in ("SIZE_BASED_WRAP", "size_based_wrap"):
-        return "unsupported: size-based wrapping (name the block classes: fsdp_transformer_layer_cls_to_wrap)"
+        return "size-based: path rules from min_num_params and --model"
     raise MigrationError(f"{m.path}: {origin} {value!r}: expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
 
 
@@ -385,6 +386,39 @@ def _layer_classes(m: Migration, value: Any, origin: str) -> str:
     classes = [c.strip() for c in value.split(",")] if isinstance(value, str) else [str(c) for c in value]
     _block_rule(m, [c for c in classes if c], origin)
     return f"wrap: a group per {', '.join(classes)}"
+
+
+def _min_num_params(m: Migration, value: Any, origin: str) -> str:
+    """Size-based wrapping as torch's FSDP1 policy does it, on the model given: bottom-up, a module
+    whose parameters not yet in a group reach ``value`` becomes a group. Without a model: unsupported."""
+    if m.model is None:
+        return "unsupported: size-based wrapping needs the model (--model MODULE:FACTORY) to name the modules"
+    paths = size_based_groups(m.model, int(value))
+    if not paths:
+        return f"nothing: no module below the root has {int(value):,} parameters"
+    m.data.setdefault("wrap", []).append({"match": {"path": paths}})
+    m.origins["wrap"] = origin
+    return f"wrap: a group per {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''} ({len(paths)} modules)"
+
+
+def size_based_groups(model: Any, min_num_params: int) -> list[str]:
+    """Module paths torch's ``size_based_auto_wrap_policy`` would wrap (the root excluded): bottom-up,
+    a module (with a forward) whose parameters not already in a group reach ``min_num_params``."""
+    import torch.nn as nn
+
+    found: list[str] = []
+
+    def visit(module: Any, path: str) -> int:
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for name, child in module.named_children():
+            remaining += visit(child, f"{path}.{name}" if path else name)
+        if path and remaining >= min_num_params and type(module).forward is not nn.Module.forward:
+            found.append(path)
+            return 0
+        return remaining
+
+    visit(model, "")
+    return found
 
 
 def _offload(m: Migration, value: Any, origin: str) -> str:
@@ -428,7 +462,7 @@ def _fsdp_keys(prefix: str) -> dict[str, Rule]:
         "reshard_after_forward": _reshard,
         "activation_checkpointing": _ac,
         "forward_prefetch": _forward_prefetch,
-        "min_num_params": ("unsupported", "size-based wrapping; name the block classes instead"),
+        "min_num_params": _min_num_params,
         "backward_prefetch": ("dropped", "backward prefetch is always on (set_late_backward_prefetch picks when)"),
         "state_dict_type": (
             "dropped",
@@ -584,7 +618,12 @@ def _rule_for(table: dict[str, Rule], key: str) -> Rule | None:
 
 
 def migrate(
-    source: str, path: str | Path, *, fsdp_option: str | None = None, world_size: int | None = None
+    source: str,
+    path: str | Path,
+    *,
+    fsdp_option: str | None = None,
+    world_size: int | None = None,
+    model: Any = None,
 ) -> Migration:
     """Read ``path`` as a config of ``source`` and map every key (see the module docstring)."""
     if source not in TABLES:
@@ -593,7 +632,7 @@ def migrate(
     if source == "hf-trainer" and isinstance(data.get("fsdp_config"), dict):
         data = data["fsdp_config"]  # TrainingArguments as JSON: the FSDP part
     _check_format(source, path, data)
-    m = Migration(source, str(path))
+    m = Migration(source, str(path), model=model)
     if world_size is not None:
         m.data["_world_size"] = world_size
     if source == "accelerate" and "num_machines" in data:
@@ -602,9 +641,8 @@ def migrate(
         _block_rule(m, ["TransformerBlock"], "torchtitan: one fully_shard per TransformerBlock")
     table = TABLES[source]
     flat = _flatten(data)
-    ordered = sorted(
-        flat, key=lambda k: (not k.endswith(("layer_cls_to_wrap", "leaf_module.classes")), k)
-    )  # rules first
+    first = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params")  # rules before what checkpoints them
+    ordered = sorted(flat, key=lambda k: (not k.endswith(first), k))
     for key in ordered:
         value = flat[key]
         rule = _rule_for(table, key)

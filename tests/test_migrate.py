@@ -234,3 +234,89 @@ def test_cli_bad_source_and_missing_file(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["migrate", "--from", "deepspeed", str(tmp_path / "none.json")]) == 1
     captured = capsys.readouterr()
     assert "cannot read the file" in " ".join((captured.out + captured.err).split())
+
+
+def torch_size_based_paths(model: nn.Module, min_num_params: int) -> list[str]:
+    """The oracle: which modules torch's FSDP1 ``size_based_auto_wrap_policy`` wraps, bottom-up, counting
+    the parameters not yet wrapped (modules without a forward and the root left out, as fsdp2lite must)."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    wrapped: list[str] = []
+
+    def visit(module: nn.Module, path: str) -> int:
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for name, child in module.named_children():
+            remaining += visit(child, f"{path}.{name}" if path else name)
+        wrap = size_based_auto_wrap_policy(
+            module, recurse=False, nonwrapped_numel=remaining, min_num_params=min_num_params
+        )
+        if path and wrap and type(module).forward is not nn.Module.forward:
+            wrapped.append(path)
+            return 0
+        return remaining
+
+    visit(model, "")
+    return wrapped
+
+
+def test_size_based_wrapping_names_the_modules_torch_would_wrap(tmp_path: Path) -> None:
+    fixture = FIXTURES / "accelerate_size_based.yaml"
+    without = migrate("accelerate", fixture)
+    assert statuses(without)["fsdp_config.fsdp_min_num_params"] == "unsupported"
+    model = GPT(TINY)
+    m = migrate("accelerate", fixture, model=model)
+    expected = torch_size_based_paths(model, 3000)
+    assert expected == ["blocks.0", "blocks.1"]
+    assert m.config.wrap[0].match.path == expected
+    assert groups_of(m.config, GPT(TINY)) == [("blocks.0",), ("blocks.1",), ("",)]
+    for threshold in (1000, 2000):
+        text = fixture.read_text().replace("3000", str(threshold))
+        path = tmp_path / f"size{threshold}.yaml"
+        path.write_text(text)
+        paths = migrate("accelerate", path, model=model).config.wrap[0].match.path
+        assert paths == torch_size_based_paths(model, threshold), threshold
+    out = tmp_path / "cli.yaml"
+    argv = ["migrate", "--from", "accelerate", str(fixture), "--model", "test_migrate:tiny_gpt", "-o", str(out)]
+    assert main(argv) == 0
+    assert fl.FSDPConfig.from_yaml(out).wrap[0].match.path == expected
+
+
+def tiny_gpt() -> GPT:
+    return GPT(TINY)
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "accelerate_fsdp2.yaml",
+        "hf_trainer.json",
+        "deepspeed_zero3_offload.json",
+        "deepspeed_zero2.json",
+        "torchtitan_llama3_8b.toml",
+    ],
+)
+def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: None) -> None:
+    """Applied for real (one gloo rank): one group per block plus the root, each with the reshard
+    setting and all-gather dtype the source asked for, and a step that runs."""
+    import warnings
+
+    source, kwargs, expected = CASES[fixture]
+    config = migrate(source, FIXTURES / fixture, **kwargs).config
+    model = Titan() if source == "torchtitan" else GPT(TINY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pin_memory on a CPU mesh
+        fl.apply_config(model, config)
+    groups = {name: m._fsdp_state.group for name, m in model.named_modules() if isinstance(m, fl.FSDPModule)}
+    blocks = "layers" if source == "torchtitan" else "blocks"
+    assert sorted(groups) == ["", f"{blocks}.0", f"{blocks}.1"]
+    for name, group in groups.items():
+        if name:  # the root's auto is resolved at the first forward
+            assert group.reshard_after_forward_requested == (
+                None if expected["reshard_after_forward"] == "auto" else expected["reshard_after_forward"]
+            )
+        dtype = expected["param_dtype"] or torch.float32
+        assert all(p.param_dtype == dtype for p in group.params), name
+        assert all(p.offload_to_cpu == (expected["offload"] == "cpu") for p in group.params), name
+    x = torch.randn(2, 8) if source == "torchtitan" else torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
+    model(x).float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

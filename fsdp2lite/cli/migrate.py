@@ -35,13 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="OUT.yaml", help="write the policy file here (default: stdout)")
     parser.add_argument("--fsdp", metavar="OPTIONS", help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap"')
     parser.add_argument("--world-size", type=positive_int, help="deepspeed MiCS: the job's world size")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", help="size-based wrapping: the model, to name its modules")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=args.output is None and not args.json)
+    model = None
+    if args.model:
+        from .explain import build_on_meta, load_factory
+
+        model = build_on_meta(load_factory(args.model), args.model)
     try:
-        migration = migrate(args.source, args.input, fsdp_option=args.fsdp, world_size=args.world_size)
+        migration = migrate(args.source, args.input, fsdp_option=args.fsdp, world_size=args.world_size, model=model)
     except MigrationError as exc:
         console.print(f"[red]cannot migrate:[/red] {exc}")
         return 1
