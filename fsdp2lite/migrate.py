@@ -64,11 +64,19 @@ class Migration:
         return [k for k in self.keys if k.status == "unknown"]
 
     def yaml(self) -> str:
-        """The policy file: ``config.to_yaml()`` with, on each top-level key, where it came from."""
+        """The policy file: ``config.to_yaml()`` with a comment on each key that came from the input
+        (top-level keys and the mapping keys under them, e.g. ``mixed_precision.param_dtype``)."""
         lines = [f"# migrated by fsdp2lite migrate --from {self.source} {self.path}"]
+        parent = ""
         for line in self.config.to_yaml().splitlines():
-            top_level = bool(line) and not line[0].isspace() and not line.startswith("-")
-            origin = self.origins.get(line.split(":", 1)[0]) if top_level else None
+            key = line.strip().split(":", 1)[0]
+            if line and not line[0].isspace() and not line.startswith("-"):
+                parent, path = key, key
+            elif line.startswith("  ") and not line.startswith("   ") and not line.lstrip().startswith("-"):
+                path = f"{parent}.{key}"
+            else:
+                path = ""
+            origin = self.origins.get(path) if path else None
             lines.append(f"{line}  # from {origin}" if origin else line)
         return "\n".join(lines) + "\n"
 
@@ -83,6 +91,7 @@ def _set(m: Migration, path: str, value: Any, origin: str) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+    m.origins.setdefault(path, origin)
     top = parts[0]
     m.origins[top] = f"{m.origins[top]}, {origin}" if top in m.origins and origin not in m.origins[top] else origin
 
@@ -581,9 +590,7 @@ def read_input(source: str, path: str | Path) -> dict[str, Any]:
         raise MigrationError(f"{path}: not a text file") from None
     try:
         if source == "torchtitan":
-            import tomllib
-
-            data: Any = tomllib.loads(text)
+            data: Any = _toml().loads(text)
         elif source == "accelerate":
             data = yaml.safe_load(text)
         else:
@@ -595,6 +602,15 @@ def read_input(source: str, path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MigrationError(f"{path}: expected a mapping of keys at the top level, got {type(data).__name__}")
     return data
+
+
+def _toml() -> Any:
+    """The standard library's TOML reader (Python 3.11+), or ``tomli`` (the same, for 3.10)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -163,6 +163,9 @@ def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> 
     assert fl.FSDPConfig.from_yaml(out) == config  # the written file reads back, comments and all
     assert main(["validate", str(out)]) == 0
     assert "# from " in m.yaml()
+    if config.mixed_precision.param_dtype is not None:  # nested keys name their own source
+        line = next(x for x in m.yaml().splitlines() if x.strip().startswith("param_dtype:"))
+        assert "# from " in line, line
     for report in m.keys:
         assert report.detail, report  # every key says to what, or why not
 
