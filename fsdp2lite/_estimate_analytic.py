@@ -20,7 +20,6 @@ The largest is the estimate; the notes name it and its largest term.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,17 @@ import torch
 import torch.nn as nn
 
 from .config import FSDPConfig, checkpoint_forward, plan_config
-from .estimate import MemoryEstimate, default_config, sharded_nbytes, step_loss, token_inputs
+from .estimate import (
+    MemoryEstimate,
+    default_config,
+    element_size,
+    first_floating,
+    materialized,
+    sharded_nbytes,
+    step_inputs,
+    step_loss,
+)
+from .policies import cast_dtype
 
 
 def analytic_estimate(
@@ -55,9 +64,11 @@ def analytic_estimate(
         sharded.append(sum(sharded_nbytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
         dims = [plan.shard_dims.get(n, 0) for n in params]
         padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
-        unsharded.append(sum(n * _size(_compute_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded)))
+        unsharded.append(
+            sum(n * element_size(cast_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded))
+        )
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
-        reduced.append(sum(n * _size(_compute_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
+        reduced.append(sum(n * element_size(cast_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     terms = {"S": sum(sharded) + ignored}
     tensors = sum(len(params) for params in plan.params)
@@ -133,14 +144,7 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
 def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:
     """Elements of a parameter's unsharded storage and of its slot in the flat collective buffers:
     ``shard`` padded chunks (at large world sizes most of a small parameter is padding)."""
-    if param.dim() == 0:
-        return shard
-    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
-    return shard * math.ceil(param.shape[dim] / shard) * rest
-
-
-def _compute_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and param.is_floating_point() else param.dtype
+    return shard * sharded_nbytes(param, shard, dim) // param.element_size()
 
 
 def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
@@ -176,10 +180,6 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     }
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def _trace_activations(
     model_fn: Callable[[], nn.Module],
     config: FSDPConfig,
@@ -207,9 +207,7 @@ def _trace_activations(
         return tensor
 
     with FakeTensorMode():
-        model = model_fn()
-        if any(p.device.type == "meta" for p in model.parameters()):
-            model.to_empty(device="cpu")
+        model = materialized(model_fn())
         if dtype is not None:  # the compute dtype: what the unsharded parameters and activations are in
             for module in model.modules():
                 for name, param in module._parameters.items():
@@ -218,29 +216,14 @@ def _trace_activations(
         seen.update(StorageWeakRef(p.untyped_storage()) for p in model.parameters())  # not activations
         for path in checkpointed:
             checkpoint_forward(model.get_submodule(path))
-        if inputs_fn is not None:
-            value = inputs_fn()
-            inputs, token_model = (value if isinstance(value, tuple) else (value,)), False
-        else:
-            tokens = token_inputs(model, batch, seq)
-            if tokens is None:
-                raise ValueError(
-                    f"{type(model).__name__} is not a token model: pass inputs=... (CLI: --inputs MODULE:FN)"
-                )
-            inputs, token_model = tokens, True
+        inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if token_model:  # the loss runs the forward: the output is (batch, seq, vocab) logits
                 step_loss(model, inputs, token_model)
-                element = _size(dtype) if dtype is not None else 4
+                element = element_size(dtype) if dtype is not None else 4
                 output_bytes = inputs[0].numel() * model.cfg.vocab_size * element  # type: ignore[union-attr]
             else:
                 output = model(*inputs)
-                first = output if isinstance(output, torch.Tensor) else next(iter(_floating(output)))
+                first = first_floating(output)
                 output_bytes = first.numel() * first.element_size()
     return saved, output_bytes
-
-
-def _floating(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]

@@ -11,7 +11,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import FSDPConfig, apply_config
-from .estimate import MemoryEstimate, default_config, make_optimizer, offloaded_share, step_loss, token_inputs
+from .estimate import (
+    MemoryEstimate,
+    default_config,
+    fsdp_params,
+    make_optimizer,
+    materialized,
+    offloaded_share,
+    step_inputs,
+    step_loss,
+)
 from .mesh import init_mesh
 
 _SCHEDULE_SETTERS = (
@@ -39,28 +48,20 @@ def simulate_estimate(
     try:
         fake = FakeTensorMode()
         with fake:
-            model = _materialized(model_fn())
+            model = materialized(model_fn())
         config = config or default_config(model)
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type="cpu")  # not fake
         with fake:
             apply_config(model, config, mesh)
             target_device_settings(model, config, device)
             opt = make_optimizer(optimizer, model, device)
-            inputs, token_model = _inputs(model, inputs_fn, batch, seq)
+            inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
             phases = _phases(model, opt, inputs, token_model)
             for run in phases.values():
                 run()  # warm-up: optimizer state exists from here on, as in a steady-state step
             return _measure(phases, model, opt, world_size, rank, device)
     finally:
         dist.destroy_process_group()
-
-
-def _materialized(model: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"the model factory must return an nn.Module, got {type(model).__name__}")
-    if any(p.device.type == "meta" for p in model.parameters()):
-        model.to_empty(device="cpu")  # fake tensors: shapes only
-    return model
 
 
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
@@ -76,21 +77,6 @@ def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) ->
     for module in model.modules():
         if isinstance(module, FSDPModule) and module._fsdp_state.group is not None:
             module._fsdp_state.group._in_place_reduce = device == "cpu"
-
-
-def _inputs(
-    model: nn.Module, inputs_fn: Callable[[], Any] | None, batch: int, seq: int | None
-) -> tuple[tuple[Any, ...], bool]:
-    if inputs_fn is not None:
-        value = inputs_fn()
-        return (value if isinstance(value, tuple) else (value,)), False
-    tokens = token_inputs(model, batch, seq)
-    if tokens is None:
-        raise ValueError(
-            f"{type(model).__name__} is not a token model (no cfg.vocab_size and cfg.seq_len): pass inputs=..., "
-            "a function returning one rank's example inputs (CLI: --inputs MODULE:FN)"
-        )
-    return tokens, True
 
 
 def _phases(
@@ -180,19 +166,9 @@ def _sharded_param_bytes(model: nn.Module) -> int:
     """What the shards (and parameters left unsharded) take on this rank: their storages, padding included."""
     from torch.distributed.tensor import DTensor
 
-    total = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        state = getattr(module, "_fsdp_state", None)
-        group = state.group if state is not None else None
-        for param in group.params if group is not None else ():
-            if id(param) not in seen:
-                seen.add(id(param))
-                total += param.padded_shard.untyped_storage().nbytes()
-    for param in model.parameters():
-        if not isinstance(param, DTensor):
-            total += param.numel() * param.element_size()  # ignored parameters stay whole
-    return total
+    shards = sum(param.padded_shard.untyped_storage().nbytes() for param in fsdp_params(model))
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    return shards + whole  # ignored parameters stay whole
 
 
 def _peak_group(tracker: Any, model: nn.Module, total: int) -> str | None:

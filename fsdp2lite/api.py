@@ -24,7 +24,7 @@ from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, cast_dtype
 
 M = TypeVar("M", nn.Module, list[nn.Module])
 
@@ -136,6 +136,15 @@ class FSDPModule:
         if state.root_context is not None:
             setattr(state.root_context, name, value)
 
+    def _set_step_setting(self, name: str, value: object) -> None:
+        """A RootContext field any module may set (as torch's shared state context): on the live context,
+        or, before lazy init, kept on this state for lazy init to hand to the root's context."""
+        state = self._fsdp_state
+        if state.root_context is not None:
+            setattr(state.root_context, name, value)
+        else:
+            state.step_settings[name] = value
+
     def _own_group(self, method: str) -> FSDPParamGroup:
         group = self._fsdp_state.group
         if group is None:
@@ -149,12 +158,7 @@ class FSDPModule:
         waiting for them. The sharded gradients are complete after a backward with True. Applies to the
         whole model under the root (lazy init decides the root; before it, set it on the root)."""
         _check_bool("is_last_backward", is_last_backward)
-        state = self._fsdp_state
-        context = state.root_context
-        if context is not None:
-            context.is_last_backward = is_last_backward
-        else:
-            state.step_settings["is_last_backward"] = is_last_backward  # taken by lazy init
+        self._set_step_setting("is_last_backward", is_last_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: never all-gather this module's group in backward (nor prefetch it), for a group whose
@@ -204,12 +208,7 @@ class FSDPModule:
                 f"set_post_optim_event orders CUDA streams; this model is on a '{group.mesh_info.device.type}' mesh, "
                 "where collectives already follow the optimizer step in program order: drop the call"
             )
-        state = self._fsdp_state
-        context = state.root_context
-        if context is not None:
-            context.post_optim_event = event
-        else:
-            state.step_settings["post_optim_event"] = event  # taken by lazy init
+        self._set_step_setting("post_optim_event", event)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for parameters of a group that got no gradient in a backward, so ranks that used
@@ -553,10 +552,7 @@ def _check_group_dtypes(
     owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], policy: ParamPolicy
 ) -> None:
     """One group is one flat all-gather buffer: its parameters must gather in one dtype."""
-    gathered = {
-        fqn: (policy.param_dtype if policy.param_dtype is not None and p.is_floating_point() else p.dtype)
-        for fqn, p, _ in owned
-    }
+    gathered = {fqn: cast_dtype(p, policy.param_dtype) for fqn, p, _ in owned}
     if len(set(gathered.values())) > 1:
         listing = ", ".join(f"{fqn}: {dtype}" for fqn, dtype in gathered.items())
         raise ValueError(

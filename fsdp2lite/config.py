@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .mesh import resolve_mesh_degrees
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, cast_dtype
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 ReshardAfterForward = bool | int | Literal["auto"]
@@ -450,10 +450,7 @@ def _dtype_problems(plan: Plan) -> list[Problem]:
     problems = []
     for group, params in zip(plan.groups, plan.params):
         param_dtype = group.policy.mixed_precision.param_dtype
-        gathered = (
-            param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype for p in params.values()
-        )
-        dtypes = {str(dtype).removeprefix("torch.") for dtype in gathered}
+        dtypes = {str(cast_dtype(p, param_dtype)).removeprefix("torch.") for p in params.values()}
         if len(dtypes) > 1:
             label = " + ".join(path or "<root>" for path in group.paths)
             problems.append(

@@ -85,14 +85,55 @@ def step_loss(model: nn.Module, inputs: tuple[Any, ...], token_model: bool) -> t
     if callable(loss_fn) and (token_model or len(inputs) > 1):
         return loss_fn(*inputs)
     output = model(*(inputs[:1] if token_model else inputs))
-    first = output if isinstance(output, torch.Tensor) else next(t for t in _leaves(output) if t.is_floating_point())
-    return first.float().mean()
+    return first_floating(output).float().mean()
 
 
-def _leaves(tree: Any) -> list[torch.Tensor]:
+def first_floating(output: Any) -> torch.Tensor:
+    """The model output a loss is taken of: the output itself, or its first floating-point tensor."""
     from torch.utils._pytree import tree_flatten
 
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    if isinstance(output, torch.Tensor):
+        return output
+    return next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def materialized(model: Any) -> nn.Module:
+    """A factory's model, with parameters made on the meta device given (fake) storage."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory must return an nn.Module, got {type(model).__name__}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        model.to_empty(device="cpu")  # fake tensors: shapes only
+    return model
+
+
+def step_inputs(
+    model: nn.Module, inputs_fn: Callable[[], Any] | None, batch: int, seq: int | None
+) -> tuple[tuple[Any, ...], bool]:
+    """(one rank's inputs, whether they are token model inputs (tokens, targets))."""
+    if inputs_fn is not None:
+        value = inputs_fn()
+        return (value if isinstance(value, tuple) else (value,)), False
+    tokens = token_inputs(model, batch, seq)
+    if tokens is None:
+        raise ValueError(
+            f"{type(model).__name__} is not a token model (no cfg.vocab_size and cfg.seq_len): pass inputs=..., "
+            "a function returning one rank's example inputs (CLI: --inputs MODULE:FN)"
+        )
+    return tokens, True
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def fsdp_params(model: nn.Module) -> list[Any]:
+    """Every FSDPParam of a sharded model, once (tied parameters and list groups included)."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        state = getattr(module, "_fsdp_state", None)
+        if state is not None and state.group is not None:
+            found.update((id(param), param) for param in state.group.params)
+    return list(found.values())
 
 
 def make_optimizer(name: str, model: nn.Module, device: str) -> torch.optim.Optimizer | None:
@@ -204,16 +245,7 @@ def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
 
 def offloaded_share(model: nn.Module) -> tuple[int, float]:
     """(bytes of the offloaded groups' shards, their share of all shard bytes) of a sharded model."""
-    total = offloaded = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        state = getattr(module, "_fsdp_state", None)
-        group = state.group if state is not None else None
-        for param in group.params if group is not None else ():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            nbytes = param.padded_shard.untyped_storage().nbytes()
-            total += nbytes
-            offloaded += nbytes if param.offload_to_cpu else 0
+    sizes = [(param.padded_shard.untyped_storage().nbytes(), param.offload_to_cpu) for param in fsdp_params(model)]
+    total = sum(nbytes for nbytes, _ in sizes)
+    offloaded = sum(nbytes for nbytes, offload in sizes if offload)
     return offloaded, (offloaded / total if total else 0.0)

@@ -109,11 +109,6 @@ class MeshInfo:
     replicate_size: int
 
     @property
-    def placements(self) -> tuple[Placement, ...]:
-        """``(Shard(0),)`` on a 1D mesh; ``(Replicate(), Shard(0))`` on a (replicate, shard) mesh."""
-        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
-
-    @property
     def data_parallel_size(self) -> int:
         """Ranks whose gradients are averaged: shard size times replicas."""
         return self.shard_size * self.replicate_size

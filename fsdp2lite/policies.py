@@ -82,3 +82,9 @@ class CPUOffloadPolicy(OffloadPolicy):
         True,
         description="pin the host shards so host-to-device copies are asynchronous (needs CUDA).",
     )
+
+
+def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a policy casts ``param`` to: ``dtype`` for floating-point parameters (None keeps theirs),
+    integer and bool parameters always keep their own."""
+    return dtype if dtype is not None and param.is_floating_point() else param.dtype

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo, sharded_placements
+from ..policies import cast_dtype
 from .states import ShardedState
 
 
@@ -143,9 +144,10 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         self.mesh_info = mesh_info
         self.shard_dim = shard_dim
-        floating = param.dtype.is_floating_point
-        self.param_dtype = policy.param_dtype if policy.param_dtype is not None and floating else param.dtype
-        self.reduce_dtype = policy.reduce_dtype if policy.reduce_dtype is not None and floating else self.param_dtype
+        self.param_dtype = cast_dtype(param, policy.param_dtype)
+        self.reduce_dtype = (
+            cast_dtype(param, policy.reduce_dtype) if policy.reduce_dtype is not None else self.param_dtype
+        )
         self.offload_to_cpu = policy.offload_to_cpu
         self.pin_memory = policy.pin_memory
         self.accumulated_grad = None

@@ -24,7 +24,16 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError, FSDPConfig, plan_config
-from ..estimate import BREAKDOWN_KEYS, DEVICES, METHODS, OPTIMIZERS, MemoryEstimate, default_config, estimate_memory
+from ..estimate import (
+    BREAKDOWN_KEYS,
+    DEVICES,
+    METHODS,
+    OPTIMIZERS,
+    MemoryEstimate,
+    default_config,
+    element_size,
+    estimate_memory,
+)
 from ._args import UsageError, non_negative_int, positive_int
 from .explain import build_on_meta, human_bytes, load_factory
 from .validate import problems_table
@@ -250,8 +259,8 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         param_dtype = policy.mixed_precision.param_dtype
         reduce_dtype = policy.mixed_precision.reduce_dtype or param_dtype
         numel = sum(p.numel() for p in params.values())
-        gather = numel * (_size(param_dtype) if param_dtype is not None else 4)
-        reduce = numel * (_size(reduce_dtype) if reduce_dtype is not None else 4)
+        gather = numel * (element_size(param_dtype) if param_dtype is not None else 4)
+        reduce = numel * (element_size(reduce_dtype) if reduce_dtype is not None else 4)
         ring = (shard - 1) / shard
         value = policy.reshard_after_forward
         if value == "auto":
@@ -259,12 +268,6 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         backward_ranks = shard if value is True else (value if isinstance(value, int) and value > 1 else 1)
         total += gather * ring + gather * (backward_ranks - 1) / backward_ranks + reduce * ring
     return int(total)
-
-
-def _size(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None) -> Table:
