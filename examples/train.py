@@ -1,0 +1,710 @@
+"""Train a causal language model with fsdp2lite, launched the way FSDP jobs are run: one process per
+GPU (or per CPU slot), started by torchrun.
+
+One machine, N processes (N GPUs with NCCL; without CUDA, N CPU processes with gloo):
+
+    torchrun --standalone --nproc-per-node N examples/train.py --config configs/hf_causal_lm.yaml \\
+        --model-config llama-tiny --data examples/data/sample.txt --steps 200
+
+Many machines (the same command on every node; HOST:PORT is one node every node can reach):
+
+    torchrun --nnodes M --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        --rdzv-id my-job examples/train.py --config ... --checkpoint-dir /shared/ckpt --resume latest
+
+Slurm (one torchrun per node; the first node of the allocation is the rendezvous host):
+
+    srun --nodes M --ntasks-per-node 1 bash -c 'torchrun --nnodes $SLURM_NNODES --nproc-per-node G \\
+        --rdzv-backend c10d --rdzv-endpoint $(scontrol show hostnames $SLURM_JOB_NODELIST | head -1):29500 \\
+        --rdzv-id $SLURM_JOB_ID examples/train.py --config ... --resume latest'
+
+``python examples/train.py ...`` without torchrun runs one process (world size 1). Nothing is
+downloaded: models come from a preset or a local directory, data from a local file or directory.
+
+The steps, as the code below reads:
+  1. join the process group (NCCL bound to this process's GPU, or gloo on CPU)
+  2. build the model on the meta device and shard it as the YAML config says (no memory yet)
+  3. fill it from rank 0 (a seeded random init, or a local checkpoint) with one broadcast per tensor
+  4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
+  5. train: gradient accumulation, clipping, AdamW, checkpoints every --save-every steps
+  6. report: progress on rank 0 (loss, tokens/s, peak memory), a final JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset, DistributedSampler
+
+import fsdp2lite as fl
+from fsdp2lite.models import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_DATA = REPO / "examples" / "data" / "sample.txt"
+HF_CONFIG = REPO / "configs" / "hf_causal_lm.yaml"
+GPT_CONFIG = REPO / "configs" / "bf16.yaml"
+T = TypeVar("T")
+
+# Model presets: small shapes for trying things, one real shape for GPUs. Dropout is off in all of
+# them; a model directory with dropout still resumes exactly (the RNG is seeded per step and rank).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": (
+        "LlamaConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        ),
+    ),
+    "llama-1b": (  # Llama 3.2 1B's shape (random init)
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gpt2-tiny": (
+        "GPT2Config",
+        dict(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=4,
+            n_head=4,
+            n_positions=1024,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "gpt": ("fsdp2lite", dict(vocab_size=256, d_model=128, n_heads=4, n_layers=4)),  # fsdp2lite.models.GPT
+}
+
+
+class UsageError(Exception):
+    """A bad argument or input file; the message names it and says what would work."""
+
+
+# ---- 0. arguments ---------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # every rank exits 2; only rank 0 prints
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="examples/train.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--config",
+        type=Path,
+        help=f"fsdp2lite policy YAML (default: {HF_CONFIG.relative_to(REPO)}, "
+        f"or {GPT_CONFIG.relative_to(REPO)} for --model-config gpt)",
+    )
+    p.add_argument(
+        "--model-config",
+        help=f"a preset ({', '.join(PRESETS)}) or a local directory with a "
+        "Hugging Face config.json (random init); default llama-tiny, or --weights' config",
+    )
+    p.add_argument("--weights", type=Path, help="a local Hugging Face checkpoint directory to start from")
+    p.add_argument(
+        "--tokenizer",
+        default="auto",
+        help="auto (the model directory's tokenizer if it has one, else bytes), bytes, or a local tokenizer directory",
+    )
+    p.add_argument("--data", type=Path, default=SAMPLE_DATA, help="a text file, or a directory of .txt files")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sample")
+    p.add_argument("--batch", type=int, default=4, help="samples per microbatch per data-parallel rank")
+    p.add_argument("--grad-accum", type=int, default=1, help="microbatches per optimizer step")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps to reach (counting resumed ones)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this total norm (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="model init, data order and dropout")
+    p.add_argument("--checkpoint-dir", type=Path, help="save here every --save-every steps and at the end")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument(
+        "--resume",
+        help="a checkpoint directory (step-NNNNNNN), or 'latest' in --checkpoint-dir "
+        "(starts fresh when there is none, so a requeued job can always pass it)",
+    )
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--metrics", type=Path, help="rank 0 appends one JSON line per logged step here")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: CUDA (NCCL) when a GPU is visible, else CPU (gloo)",
+    )
+    args = p.parse_args(argv)
+    for name in ("seq", "batch", "grad_accum", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("steps", "save_every", "warmup_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.resume and args.resume == "latest" and args.checkpoint_dir is None:
+        p.error("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
+    return args
+
+
+# ---- 1. the process group ---------------------------------------------------------------------------
+@dataclass
+class Job:
+    """This process's place in the job."""
+
+    rank: int  # this process among all of them; also its data-parallel rank (every rank is data parallel)
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def join_process_group(args: argparse.Namespace) -> Job:
+    """torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; without it, one process."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to this process; use --device cpu (gloo)")
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                f"LOCAL_RANK {local_rank} but this node shows {torch.cuda.device_count()} GPUs: "
+                "start at most one process per GPU (--nproc-per-node)"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # this process's GPU, before any CUDA work
+        dist.init_process_group("nccl", device_id=device)  # device_id: NCCL bound to that GPU at once
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Job(dist.get_rank(), dist.get_world_size(), device, dist.get_backend())
+
+
+def on_every_rank(job: Job, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it fails on any of them, every rank learns it and raises ``SetupFailed``,
+    so no rank is left waiting in a collective the others never reach."""
+    result, error = None, None
+    try:
+        result = fn()
+    except (UsageError, ValueError, TypeError, OSError) as exc:  # incl. fl.ConfigError, fl.CheckpointError
+        error = str(exc)  # fsdp2lite's errors for bad input name the culprit and what would work
+    except Exception:  # anything else may be a bug: keep the whole traceback
+        error = traceback.format_exc()
+    errors: list[str | None] = [None] * job.world_size
+    dist.all_gather_object(errors, error)
+    failed = {e: [r for r, x in enumerate(errors) if x == e] for e in errors if e is not None}
+    if failed:
+        raise SetupFailed(what, failed, job.world_size)
+    return result  # type: ignore[return-value]
+
+
+class SetupFailed(Exception):
+    def __init__(self, what: str, failed: dict[str, list[int]], world_size: int) -> None:
+        lines = []
+        for message, ranks in failed.items():
+            where = "" if len(ranks) == world_size else f" (rank {', '.join(map(str, ranks))})"
+            lines.append(f"error while {what}{where}: {message}")
+        super().__init__("\n".join(lines))
+
+
+# ---- 2 and 3. the model -----------------------------------------------------------------------------
+@dataclass
+class ModelSpec:
+    label: str  # what the user asked for: a preset name or a directory
+    hf_config: Any  # a transformers PretrainedConfig, or None for fsdp2lite's GPT
+    gpt_config: Any  # fsdp2lite.models.GPTConfig, or None
+    directory: Path | None  # where config (and maybe tokenizer) came from
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size if self.hf_config is not None else self.gpt_config.vocab_size)
+
+
+def resolve_model(args: argparse.Namespace) -> ModelSpec:
+    name = args.model_config or (str(args.weights) if args.weights else "llama-tiny")
+    if name in PRESETS:
+        kind, fields = PRESETS[name]
+        if kind == "fsdp2lite":
+            return ModelSpec(name, None, GPTConfig(seq_len=args.seq, **fields), None)
+        return ModelSpec(name, getattr(_transformers(), kind)(**fields), None, None)
+    directory = Path(name)
+    if not (directory / "config.json").is_file():
+        what = "has no config.json" if directory.is_dir() else "does not exist"
+        raise UsageError(
+            f"--model-config {name}: not a preset ({', '.join(PRESETS)}) and {what}; pass a preset or a local "
+            "directory saved by save_pretrained (nothing is downloaded)"
+        )
+    config = _transformers().AutoConfig.from_pretrained(directory, local_files_only=True)
+    return ModelSpec(str(directory), config, None, directory)
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            "Hugging Face models need transformers: pip install 'fsdp2lite[hf]' (or use --model-config gpt)"
+        ) from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def new_model(spec: ModelSpec) -> nn.Module:
+    """The model, unsharded and randomly initialized (on the meta device when called under it)."""
+    if spec.gpt_config is not None:
+        return GPT(spec.gpt_config)
+    return _transformers().AutoModelForCausalLM.from_config(spec.hf_config)
+
+
+def build_model(args: argparse.Namespace, job: Job, spec: ModelSpec, config: fl.FSDPConfig) -> nn.Module:
+    """Shard the model while it is still on the meta device, then allocate only each rank's shards and
+    fill them from rank 0: no rank ever holds the whole model on its device."""
+    with torch.device("meta"):
+        model = new_model(spec)
+    mesh = fl.init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=job.device.type)
+    fl.apply_config(model, config, mesh)
+    model.to_empty(device=job.device)  # shards (and buffers) now exist, uninitialized
+    source = source_model(args, spec) if job.rank == 0 else None
+    full = source.state_dict() if source is not None else {}
+    # rank 0 sends each full tensor; every rank keeps its own shard of it
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in model.named_buffers():  # incl. ones the state dict leaves out (rotary inv_freq)
+        if source is not None:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer, src=0)
+    return model
+
+
+def source_model(args: argparse.Namespace, spec: ModelSpec) -> nn.Module:
+    """Rank 0's full copy, on the host: a local checkpoint, or a random init from ``--seed``."""
+    if args.weights is not None:
+        model = _transformers().AutoModelForCausalLM.from_pretrained(args.weights, local_files_only=True)
+        return model.float()  # fp32 master weights; the config's mixed precision casts for compute
+    torch.manual_seed(args.seed)
+    return new_model(spec)
+
+
+def lm_loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
+    """window (batch, seq + 1) token ids -> mean next-token cross-entropy."""
+    inputs, targets = window[:, :-1], window[:, 1:]
+    out = model(inputs) if isinstance(model, GPT) else model(input_ids=inputs, use_cache=False)
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # (batch, seq, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# ---- 4. data ------------------------------------------------------------------------------------------
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq + 1`` tokens (inputs and their next-token targets)."""
+
+    def __init__(self, tokens: torch.Tensor, seq: int) -> None:
+        self.tokens, self.seq = tokens, seq
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.tokens[index * self.seq : index * self.seq + self.seq + 1]
+
+
+def text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        sample = SAMPLE_DATA.relative_to(REPO)
+        raise UsageError(f"--data {path}: no such file or directory (the bundled sample is {sample})")
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+    if not files:
+        raise UsageError(f"--data {path}: a directory with no .txt files in it; pass a text file or such a directory")
+    return files
+
+
+def load_tokenizer(args: argparse.Namespace, spec: ModelSpec) -> tuple[Any, str]:
+    """(tokenizer, or None for bytes; its label for the report)."""
+    if args.tokenizer == "bytes":
+        return None, "bytes"
+    if args.tokenizer == "auto":
+        found = [d for d in (args.weights, spec.directory) if d is not None and has_tokenizer(d)]
+        if not found:
+            return None, "bytes"
+        directory = found[0]
+    else:
+        directory = Path(args.tokenizer)
+        if not has_tokenizer(directory):
+            raise UsageError(
+                f"--tokenizer {directory}: no {' or '.join(TOKENIZER_FILES)} there; pass auto, bytes or a "
+                "directory written by a tokenizer's save_pretrained"
+            )
+    return _transformers().AutoTokenizer.from_pretrained(directory, local_files_only=True), str(directory)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenize(files: list[Path], tokenizer: Any) -> torch.Tensor:
+    """All files as one stream of token ids ``(num_tokens,)``; with a tokenizer, each file ends with EOS."""
+    pieces = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if tokenizer is None:
+            pieces.append(torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long())
+            continue
+        lines = tokenizer(text.splitlines(keepends=True), add_special_tokens=False)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        pieces.append(torch.tensor([i for line in lines for i in line] + eos, dtype=torch.long))
+    return torch.cat(pieces)
+
+
+def rank_batches(dataset: TokenWindows, job: Job, batch: int, seed: int, start: int) -> Iterator[torch.Tensor]:
+    """This rank's batches, epoch after epoch, from ``start`` samples in. Every rank shuffles the windows
+    the same way (``seed + epoch``) and takes every world_size-th one: DistributedSampler's split."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=seed, drop_last=True
+    )
+    if len(sampler) < batch:
+        raise UsageError(
+            f"--data holds {len(dataset)} samples of {dataset.seq + 1} tokens, {len(sampler)} per rank at world size "
+            f"{job.world_size}, fewer than --batch {batch}: use more text, a smaller --seq or a smaller --batch"
+        )
+    return _batches(dataset, sampler, batch, start)
+
+
+def _batches(dataset: TokenWindows, sampler: DistributedSampler[int], batch: int, start: int) -> Iterator[torch.Tensor]:
+    epoch, skip = divmod(start, len(sampler))
+    pending: list[int] = []
+    while True:
+        sampler.set_epoch(epoch)
+        for index in list(sampler)[skip:]:
+            pending.append(index)
+            if len(pending) == batch:
+                yield torch.stack([dataset[i] for i in pending])  # (batch, seq + 1)
+                pending = []
+        epoch, skip = epoch + 1, 0
+
+
+# ---- 5. setting up, resuming, saving -----------------------------------------------------------------------
+STATE_FILE = "train_state.json"  # written last: a directory without it is an unfinished save
+
+
+@dataclass
+class Run:
+    """What the loop works on, built the same way on every rank."""
+
+    config_path: Path
+    spec: ModelSpec
+    tokenizer: str
+    dataset: TokenWindows
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    resumed_from: Path | None
+    start_step: int
+    tokens_seen: int
+
+
+def prepare(args: argparse.Namespace, job: Job) -> Run:
+    config_path = args.config or (GPT_CONFIG if args.model_config == "gpt" else HF_CONFIG)
+    config, spec, resume, tokenizer, dataset = on_every_rank(
+        job, "reading the arguments", lambda: read_inputs(args, config_path)
+    )
+    model = on_every_rank(
+        job, f"sharding {spec.label} with {config_path}", lambda: build_model(args, job, spec, config)
+    )
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # no weight decay on norms and biases
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0)
+    if resume is not None:
+        on_every_rank(job, f"loading {resume}", lambda: fl.load_checkpoint(resume, model, optimizer))
+        state = json.loads((resume / STATE_FILE).read_text())
+        run.start_step, run.tokens_seen = int(state["step"]), int(state["tokens"])
+        if state["global_batch"] != global_batch(args, job) and job.rank == 0:
+            print(
+                f"note: {resume} was saved at a global batch of {state['global_batch']} samples, this run takes "
+                f"{global_batch(args, job)}: the data order differs from an uninterrupted run",
+                file=sys.stderr,
+            )
+    return run
+
+
+def read_inputs(args: argparse.Namespace, config_path: Path) -> tuple[Any, ...]:
+    """Check every path and read the config, the model's config and the data; no process group needed."""
+    if not config_path.is_file():
+        shipped = ", ".join(str(p.relative_to(REPO)) for p in sorted((REPO / "configs").glob("*.yaml")))
+        raise UsageError(f"--config {config_path}: no such file; the configs that come with fsdp2lite: {shipped}")
+    files = text_files(args.data)
+    config = fl.FSDPConfig.from_yaml(config_path)
+    spec = resolve_model(args)
+    resume = find_resume(args)
+    tokenizer, label = load_tokenizer(args, spec)
+    tokens = tokenize(files, tokenizer)
+    if len(tokens) and int(tokens.max()) >= spec.vocab_size:
+        raise UsageError(
+            f"the {label} tokenizer makes token ids up to {int(tokens.max())} but the model's vocab_size is "
+            f"{spec.vocab_size}: pick a tokenizer and a model that agree"
+        )
+    return config, spec, resume, label, TokenWindows(tokens, args.seq)
+
+
+def find_resume(args: argparse.Namespace) -> Path | None:
+    if not args.resume:
+        return None
+    if args.resume != "latest":
+        path = Path(args.resume)
+        if not (path / STATE_FILE).is_file():
+            raise UsageError(f"--resume {path}: not a finished checkpoint of this script (no {STATE_FILE} in it)")
+        return path
+    finished = sorted(p.parent for p in args.checkpoint_dir.glob(f"step-*/{STATE_FILE}"))
+    return finished[-1] if finished else None
+
+
+def save(path: Path, run: Run, job: Job, step: int, args: argparse.Namespace) -> None:
+    fl.save_checkpoint(path, run.model, run.optimizer)  # every rank writes its shards
+    dist.barrier()  # every shard is on disk before the directory is marked finished
+    if job.rank == 0:
+        state = {
+            "step": step,
+            "tokens": run.tokens_seen,
+            "global_batch": global_batch(args, job),
+            "model": run.spec.label,
+            "config": str(run.config_path),
+            "world_size": job.world_size,
+        }
+        (path / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+# ---- 6. training --------------------------------------------------------------------------------------------
+def global_batch(args: argparse.Namespace, job: Job) -> int:
+    return job.world_size * args.batch * args.grad_accum  # samples per optimizer step
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine down to a tenth; a function of the step, so resuming needs no state."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_step(
+    run: Run, batches: Iterator[torch.Tensor], step: int, args: argparse.Namespace, job: Job
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over --grad-accum microbatches; returns (this rank's loss, the gradient norm)."""
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    torch.manual_seed(args.seed + 1 + step * job.world_size + job.rank)  # dropout draws: the same after a resume
+    loss_sum = torch.zeros((), device=job.device)
+    for micro in range(args.grad_accum):
+        run.model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # type: ignore[operator]  # reduce once
+        loss = lm_loss(run.model, next(batches).to(job.device, non_blocking=True)) / args.grad_accum
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.max_grad_norm or math.inf)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.tokens_seen += global_batch(args, job) * args.seq
+    return loss_sum, grad_norm
+
+
+def train(args: argparse.Namespace, job: Job) -> dict[str, Any]:
+    run = prepare(args, job)
+    start = run.start_step * args.batch * args.grad_accum  # samples this rank has already used
+    batches = on_every_rank(
+        job, "splitting the data", lambda: rank_batches(run.dataset, job, args.batch, args.seed, start)
+    )
+    report = Report(args, job, run)
+    run.model.train()
+    last_saved = None
+    for step in range(run.start_step, args.steps):
+        loss_sum, grad_norm = train_step(run, batches, step, args, job)
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:  # the only host syncs of a step
+            loss = all_ranks(job, float(loss_sum), dist.ReduceOp.SUM) / job.world_size
+            norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+            peak = int(all_ranks(job, peak_memory(job), dist.ReduceOp.MAX))
+            report.step(done, loss, lr_at(step, args), float(norm), run.tokens_seen, peak)
+        if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            last_saved = args.checkpoint_dir / f"step-{done:07d}"
+            save(last_saved, run, job, done, args)
+            report.saved(last_saved)
+    return report.finish(run.tokens_seen, last_saved)
+
+
+def all_ranks(job: Job, value: float, op: Any) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=job.device)
+    dist.all_reduce(tensor, op=op)
+    return float(tensor.item())
+
+
+def peak_memory(job: Job) -> int:
+    """This rank's peak: CUDA memory allocated by tensors, or on CPU the process's peak resident size."""
+    if job.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(job.device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Report:
+    """Rank 0's progress bar, log lines and metrics file, and the run's final record (other ranks print nothing)."""
+
+    def __init__(self, args: argparse.Namespace, job: Job, run: Run) -> None:
+        self.args, self.job, self.last_step = args, job, run.start_step
+        self.losses: list[float] = []
+        self.rates: list[float] = []
+        self.peak = 0
+        self.timer = self.started = time.perf_counter()
+        params = sum(p.numel() for p in run.model.parameters())
+        self.record: dict[str, Any] = {
+            "model": run.spec.label,
+            "params": params,
+            "config": str(run.config_path),
+            "tokenizer": run.tokenizer,
+            "corpus_tokens": len(run.dataset.tokens),
+            "samples": len(run.dataset),
+            "world_size": job.world_size,
+            "backend": job.backend,
+            "device": job.device.type,
+            "start_step": run.start_step,
+            "steps": args.steps,
+            "resumed_from": str(run.resumed_from) if run.resumed_from else None,
+        }
+        self.progress: Any = None
+        if job.rank != 0:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        resumed = f", resumed from {run.resumed_from}" if run.resumed_from else ""
+        self.console.print(
+            f"[bold]{run.spec.label}[/]: {params / 1e6:.2f}M parameters, {job.world_size} ranks ({job.backend} on "
+            f"{job.device.type}), config {run.config_path}, tokenizer {run.tokenizer}{resumed}",
+            soft_wrap=True,
+        )
+        columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"))
+        self.progress = Progress(*columns, TimeRemainingColumn(), console=self.console)
+        self.task = self.progress.add_task("train", total=args.steps, completed=run.start_step, info="")
+        self.progress.start()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, peak: int) -> None:
+        now = time.perf_counter()
+        steps, self.last_step = step - self.last_step, step
+        rate = steps * global_batch(self.args, self.job) * self.args.seq / max(now - self.timer, 1e-9)
+        self.timer = now
+        self.losses.append(loss)
+        self.rates.append(rate)
+        self.peak = max(self.peak, peak)
+        if self.job.rank != 0:
+            return
+        memory = "peak CUDA alloc" if self.job.device.type == "cuda" else "peak RSS"
+        info = f"loss {loss:.4f}  {rate:,.0f} tok/s  {memory} {peak / 2**30:.2f} GiB"
+        self.progress.update(self.task, completed=step, info=info)
+        self.console.print(f"step {step:>6}  {info}  lr {lr:.2e}  grad norm {grad_norm:.3f}", soft_wrap=True)
+        if self.args.metrics:
+            row = {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": tokens,
+                "tokens_per_s": rate,
+                "peak_memory_bytes": peak,
+            }
+            with self.args.metrics.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def saved(self, path: Path) -> None:
+        if self.job.rank == 0:
+            self.console.print(f"saved {path}", soft_wrap=True)
+
+    def finish(self, tokens: int, checkpoint: Path | None) -> dict[str, Any]:
+        if self.progress is not None:
+            self.progress.stop()
+        self.record.update(
+            final_loss=self.losses[-1] if self.losses else None,
+            tokens=tokens,
+            tokens_per_s=sorted(self.rates)[len(self.rates) // 2] if self.rates else None,  # median over log lines
+            peak_memory_bytes=self.peak,
+            peak_memory_kind="cuda_max_allocated" if self.job.device.type == "cuda" else "host_max_rss",
+            checkpoint=str(checkpoint) if checkpoint else None,
+            seconds=round(time.perf_counter() - self.started, 3),
+        )
+        return self.record
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        job = join_process_group(args)
+    except UsageError as exc:  # found the same way on every rank, before any collective
+        return fail(f"error: {exc}", print_it=os.environ.get("RANK", "0") == "0")
+    try:
+        record = train(args, job)
+    except SetupFailed as exc:  # every rank is here: none waits in a collective
+        dist.destroy_process_group()
+        return fail(str(exc), print_it=job.rank == 0)
+    if job.rank == 0:
+        print(json.dumps(record), flush=True)  # the last line: one JSON record of the run
+    dist.destroy_process_group()
+    return 0
+
+
+def fail(message: str, print_it: bool) -> int:
+    if print_it:
+        print(message, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's failure summary shows this message (the file as torchrun's @record writes it)
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    return 2
+
+
+def leave(code: int) -> None:
+    """Exit without interpreter finalization: gloo on recent torch sometimes aborts there (SIGABRT after
+    the job is done), which torchrun would report as a failed rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())

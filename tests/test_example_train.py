@@ -1,0 +1,255 @@
+"""examples/train.py as users run it: under ``torchrun --standalone --nproc-per-node 2`` on CPU (gloo).
+
+One set of runs (module fixture) on a tiny Llama and the bundled text, then checks on what they wrote:
+- A: 2 ranks, fp32, 2 microbatches per step, checkpoints at steps 2 and 4;
+- B: resumed from A's step-2 checkpoint (``--resume latest`` past an unfinished save): its steps 3-4
+  have A's losses exactly;
+- C: one process (plain ``python``, no torchrun) with twice the batch: A's losses (the data split
+  per rank and the accumulation are right);
+- D: ``--weights`` of a save_pretrained directory holding A's initial weights: A's losses exactly
+  (rank 0's full state dict reaches every rank's shards);
+- E: a GPT-2 directory with its own tokenizer, the shipped bf16 config, ``--resume latest`` with
+  nothing to resume;
+- F: fsdp2lite's own GPT.
+Bad arguments run 2 ranks by hand (not through torchrun) so that each rank's exit code and output
+can be checked: rank 0 prints one clear error, every rank exits 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "train.py"
+COMMON = ["--seq", "32", "--batch", "2", "--grad-accum", "2", "--steps", "4", "--warmup-steps", "2", "--log-every", "1"]
+LAYERS_FP32 = "wrap:\n  - match: {class: LlamaDecoderLayer}\n"
+
+
+def env() -> dict[str, str]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return {**clean, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, also on a GPU machine
+
+
+def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        *args,
+    ]
+    return subprocess.run(command, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+
+
+def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def record(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
+
+
+def save_initial_weights(directory: Path) -> None:
+    """What A starts from (rank 0's seeded init of the llama-tiny preset), as a Hugging Face checkpoint."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = train.parse_args(["--model-config", "llama-tiny", "--seed", "0"])
+    train.source_model(args, train.resolve_model(args)).save_pretrained(directory)
+
+
+def gpt2_with_tokenizer(directory: Path) -> int:
+    """A GPT-2 config and a byte-level BPE tokenizer trained on the bundled text; returns the token count
+    train.py should get from that text (its lines, then EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, PreTrainedTokenizerFast
+
+    text = (REPO / "examples" / "data" / "sample.txt").read_text()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator([text], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    tokenizer.save_pretrained(directory)
+    GPT2Config(
+        vocab_size=400, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+    ).save_pretrained(directory)
+    ids = tokenizer(text.splitlines(keepends=True), add_special_tokens=False)["input_ids"]
+    return sum(map(len, ids)) + 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("train")
+    (tmp / "fp32.yaml").write_text(LAYERS_FP32)
+    base = [*COMMON, "--config", "fp32.yaml"]
+    out: dict[str, Any] = {"tmp": tmp}
+    out["A"] = record(torchrun(*base, "--checkpoint-dir", "ckA", "--save-every", "2", "--metrics", "A.jsonl", cwd=tmp))
+    shutil.copytree(tmp / "ckA" / "step-0000002", tmp / "ckB" / "step-0000002")
+    (tmp / "ckB" / "step-0000003").mkdir()  # a save that never finished: no train_state.json
+    out["B"] = record(torchrun(*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl", cwd=tmp))
+    single = [*COMMON, "--config", "fp32.yaml", "--batch", "4", "--metrics", "C.jsonl"]
+    out["C"] = record(python(*single, cwd=tmp))
+    save_initial_weights(tmp / "weights")
+    out["D"] = record(torchrun(*base, "--weights", "weights", "--metrics", "D.jsonl", cwd=tmp))
+    out["E_tokens"] = gpt2_with_tokenizer(tmp / "gpt2-bpe")
+    e_args = [
+        "--model-config",
+        "gpt2-bpe",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        "ckE",
+        "--resume",
+        "latest",
+    ]
+    out["E"] = record(torchrun(*e_args, cwd=tmp))
+    out["F"] = record(python("--model-config", "gpt", "--seq", "32", "--steps", "2", "--log-every", "1", cwd=tmp))
+    return out
+
+
+def test_two_ranks_under_torchrun_train_and_checkpoint(runs: dict[str, Any]) -> None:
+    a, tmp = runs["A"], runs["tmp"]
+    assert (a["world_size"], a["backend"], a["device"], a["model"]) == (2, "gloo", "cpu", "llama-tiny")
+    assert a["tokenizer"] == "bytes" and a["corpus_tokens"] == (REPO / "examples/data/sample.txt").stat().st_size
+    assert a["tokens"] == 4 * 2 * 2 * 2 * 32, "steps x ranks x microbatches x batch x seq"
+    assert (
+        a["checkpoint"] == "ckA/step-0000004" and a["peak_memory_kind"] == "host_max_rss" and a["peak_memory_bytes"] > 0
+    )
+    trained = losses(tmp / "A.jsonl")
+    assert sorted(trained) == [1, 2, 3, 4] and trained[4] < trained[1], trained
+    for step in (2, 4):
+        state = json.loads((tmp / "ckA" / f"step-{step:07d}" / "train_state.json").read_text())
+        assert state["step"] == step and state["global_batch"] == 8
+
+
+def test_resumed_run_has_the_uninterrupted_losses(runs: dict[str, Any]) -> None:
+    tmp = runs["tmp"]
+    assert runs["B"]["resumed_from"] == "ckB/step-0000002" and runs["B"]["start_step"] == 2
+    assert runs["B"]["tokens"] == runs["A"]["tokens"]
+    resumed, uninterrupted = losses(tmp / "B.jsonl"), losses(tmp / "A.jsonl")
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[s] == uninterrupted[s] for s in (3, 4)), (resumed, uninterrupted)
+
+
+def test_one_process_with_the_whole_batch_matches_two_ranks(runs: dict[str, Any]) -> None:
+    single, two = losses(runs["tmp"] / "C.jsonl"), losses(runs["tmp"] / "A.jsonl")
+    assert runs["C"]["world_size"] == 1 and sorted(single) == sorted(two)
+    for step in two:
+        assert single[step] == pytest.approx(two[step], rel=1e-5), (step, single, two)
+
+
+def test_weights_from_a_local_checkpoint_reach_every_shard(runs: dict[str, Any]) -> None:
+    assert runs["D"]["model"] == "weights"
+    assert losses(runs["tmp"] / "D.jsonl") == losses(runs["tmp"] / "A.jsonl")
+
+
+def test_model_directory_with_its_own_tokenizer(runs: dict[str, Any]) -> None:
+    e = runs["E"]
+    assert e["tokenizer"] == "gpt2-bpe" and e["corpus_tokens"] == runs["E_tokens"]
+    assert e["start_step"] == 0 and e["resumed_from"] is None, "--resume latest with nothing saved starts fresh"
+    assert e["config"].endswith("configs/hf_causal_lm.yaml") and e["checkpoint"] == "ckE/step-0000002"
+    assert torch.isfinite(torch.tensor(e["final_loss"]))
+
+
+def test_fsdp2lite_gpt(runs: dict[str, Any]) -> None:
+    f = runs["F"]
+    assert f["model"] == "gpt" and f["config"].endswith("configs/bf16.yaml") and f["world_size"] == 1
+    assert torch.isfinite(torch.tensor(f["final_loss"]))
+
+
+# ---- bad arguments ----------------------------------------------------------------------------------
+def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        rank_env = {
+            **env(),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args],
+                cwd=cwd,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "missing.yaml"], "--config missing.yaml: no such file; the configs that come with fsdp2lite: "),
+        (["--config", str(REPO / "configs" / "demo.yaml")], "wrap.0.match: matches no module (the model's classes: "),
+        (["--data", "nowhere/corpus.txt"], "--data nowhere/corpus.txt: no such file or directory"),
+        (["--model-config", "llama-huge"], "--model-config llama-huge: not a preset (llama-tiny, "),
+        (["--batch", "0"], "--batch must be at least 1, got 0"),
+        (["--device", "cuda"], "--device cuda: no CUDA device is visible to this process; use --device cpu"),
+        (["--resume", "ck/step-0000009"], "--resume ck/step-0000009: not a finished checkpoint of this script"),
+    ],
+    ids=[
+        "missing-config",
+        "no-rule-matches",
+        "missing-data",
+        "unknown-model",
+        "bad-number",
+        "no-cuda",
+        "no-checkpoint",
+    ],
+)
+def test_bad_arguments_stop_every_rank_cleanly(args: list[str], message: str, tmp_path: Path) -> None:
+    rank0, rank1 = two_ranks_by_hand(*args, "--steps", "1", cwd=tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (2, 2), rank0.stderr + rank1.stderr
+    assert message in rank0.stderr, rank0.stderr
+    assert rank0.stderr.count(message) == 1
+    assert "Traceback" not in rank0.stderr + rank1.stderr
+    assert rank1.stderr.strip() == "" and rank0.stdout == rank1.stdout == "", "only rank 0 speaks"
+
+
+def test_bad_argument_under_torchrun(tmp_path: Path) -> None:
+    run = torchrun("--config", str(REPO / "configs" / "demo.yaml"), "--steps", "1", cwd=tmp_path)
+    assert run.returncode != 0
+    printed, summary = run.stderr.split("ChildFailedError", 1)
+    assert printed.count("wrap.0.match: matches no module") == 1, run.stderr  # rank 0's message
+    assert "exitcode  : 2" in summary and "wrap.0.match: matches no module" in summary, "torchrun's summary says why"
+    assert 'examples/train.py", line' not in run.stderr, "no rank's traceback"
