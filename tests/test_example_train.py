@@ -10,7 +10,8 @@ One set of runs (module fixture) on a tiny Llama and the bundled text, then chec
   (rank 0's full state dict reaches every rank's shards);
 - E: a GPT-2 directory with its own tokenizer, the shipped bf16 config, ``--resume latest`` with
   nothing to resume;
-- F: fsdp2lite's own GPT.
+- F: fsdp2lite's own GPT;
+- G: the multi-node command (``--nnodes 2 --rdzv-backend c10d``) as two 1-process nodes: A's losses.
 Bad arguments run 2 ranks by hand (not through torchrun) so that each rank's exit code and output
 can be checked: rank 0 prints one clear error, every rank exits 2 without a traceback.
 """
@@ -56,6 +57,27 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         *args,
     ]
     return subprocess.run(command, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+
+
+def two_nodes(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """The multi-node command, as two one-process "nodes" on this machine meeting at a c10d rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-job"]
+    nodes = [
+        subprocess.Popen(
+            [*launch, *rendezvous, str(SCRIPT), *args],
+            cwd=cwd,
+            env=env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    return [subprocess.CompletedProcess(n.args, n.wait(timeout=300), *n.communicate()) for n in nodes]
 
 
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -134,6 +156,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "latest",
     ]
     out["E"] = record(torchrun(*e_args, cwd=tmp))
+    # steps 1-2 are warmup (--warmup-steps 2): their learning rates do not depend on --steps
+    out["G"] = two_nodes(*base, "--steps", "2", "--metrics", "G.jsonl", cwd=tmp)
     out["F"] = record(python("--model-config", "gpt", "--seq", "32", "--steps", "2", "--log-every", "1", cwd=tmp))
     return out
 
@@ -186,6 +210,15 @@ def test_fsdp2lite_gpt(runs: dict[str, Any]) -> None:
     f = runs["F"]
     assert f["model"] == "gpt" and f["config"].endswith("configs/bf16.yaml") and f["world_size"] == 1
     assert torch.isfinite(torch.tensor(f["final_loss"]))
+
+
+def test_two_nodes_meet_at_a_c10d_rendezvous(runs: dict[str, Any]) -> None:
+    nodes = runs["G"]
+    assert [n.returncode for n in nodes] == [0, 0], [n.stderr for n in nodes]
+    [speaker] = [n for n in nodes if n.stdout.strip()]  # the node that got rank 0 prints the record
+    assert json.loads(speaker.stdout.strip().splitlines()[-1])["world_size"] == 2
+    two_nodes_losses, one_node = losses(runs["tmp"] / "G.jsonl"), losses(runs["tmp"] / "A.jsonl")
+    assert two_nodes_losses == {s: one_node[s] for s in (1, 2)}, "the same job, whether 1 node x 2 or 2 x 1"
 
 
 # ---- bad arguments ----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ section promises, on 2 gloo ranks against DDP and against the unsharded model.
 - a decoder-layer rule (``configs/hf_causal_lm.yaml``'s, here in fp32) on Llama (untied head) and GPT-2
   (head tied to the token embedding): losses, gradients and parameters equal DDP's every step;
 - HF's own gradient checkpointing (``use_reentrant=False``) on top of the sharded layers;
-- ``generate`` after ``fl.register_fsdp_forward_method(model, "generate")`` equals the unsharded model's;
+- ``generate`` after ``fl.register_fsdp_forward_method(model, "generate")`` equals the unsharded model's,
+  also with different prompts per rank that stop at different lengths (``synced_gpus=True``);
 - a full (unsharded) state dict loaded into the sharded model, each rank keeping its rows.
 """
 
@@ -103,6 +104,12 @@ def enable_hf_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def greedy(model: nn.Module, prompt: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        mask = torch.ones_like(prompt)
+        return model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, **kwargs)
+
+
 def check_generate(rank: int, ws: int) -> None:
     for make in (llama, gpt2):
         ref = make()
@@ -110,10 +117,15 @@ def check_generate(rank: int, ws: int) -> None:
         shard(model)
         fl.register_fsdp_forward_method(model, "generate")
         prompt = batch(0, 0)[:, :5]  # the same prompt on every rank
-        with torch.no_grad():
-            expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
-            got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
-        assert torch.equal(got, expected), (got, expected)
+        assert torch.equal(greedy(model, prompt), greedy(ref, prompt))
+    # different prompts per rank, and an EOS that stops rank 0 after one token while rank 1 goes on:
+    # synced_gpus=True keeps rank 0 running forwards (and so all-gathers) until every rank is done
+    prompts = [batch(1, r)[:1, :5] for r in range(ws)]
+    eos = int(greedy(ref, prompts[0])[0, 5])
+    expected = [greedy(ref, p, eos_token_id=eos, pad_token_id=eos) for p in prompts]
+    assert expected[0].shape[1] == 6 and expected[1].shape[1] > 6, "rank 0 must stop first for this check"
+    got = greedy(model, prompts[rank], eos_token_id=eos, pad_token_id=eos, synced_gpus=True)
+    assert torch.equal(got, expected[rank]), (got, expected[rank])
 
 
 def check_full_state_dict_into_sharded(rank: int, ws: int) -> None:
