@@ -25,6 +25,8 @@ from fsdp2lite.models import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(path) for path in (REPO / "configs").glob("*.yaml"))
+HF_CONFIG = str(REPO / "configs" / "hf_causal_lm.yaml")  # for Hugging Face models (examples/train.py)
+GPT_CONFIGS = [config for config in CONFIGS if config != HF_CONFIG]  # for fsdp2lite's GPT
 FACTORY = "fsdp2lite.models:gpt_small"
 
 
@@ -120,7 +122,7 @@ def test_validate_console_script_has_no_traceback(tmp_path: Path) -> None:
 
 
 # ---- explain: the command -----------------------------------------------------------------------
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: Path(path).name)
+@pytest.mark.parametrize("config", GPT_CONFIGS, ids=lambda path: Path(path).name)
 def test_explain_every_shipped_config(config: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", config, "--model", FACTORY, "--world-size", "8"]) == 0
     out = capsys.readouterr().out
@@ -211,11 +213,43 @@ def test_group_numbers_for_one_block_match_a_hand_computation() -> None:
 
 def test_groups_partition_the_model_and_cover_a_world_size_share() -> None:
     for config in CONFIGS:
-        explanation = _explain(FSDPConfig.from_yaml(config), world_size=8)
+        explanation = _explain(
+            FSDPConfig.from_yaml(config), world_size=8, model=_llama() if config == HF_CONFIG else None
+        )
         assert sum(row.numel for row in explanation.rows) == explanation.total_numel  # tied head counted once
         assert sum(row.unsharded_bytes for row in explanation.rows) == explanation.total_bytes
         assert explanation.sharded_bytes * explanation.shard >= explanation.total_bytes
         assert explanation.rows[-1].is_root and not (explanation.unmatched or explanation.refused)
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_hf_config_gives_one_group_per_decoder_layer_and_a_bf16_root() -> None:
+    explanation = _explain(FSDPConfig.from_yaml(HF_CONFIG), world_size=8, model=_llama())
+    assert [row.paths for row in explanation.rows] == [
+        ("model.layers.0",),
+        ("model.layers.1",),
+        ("model.layers.2",),
+        ("",),
+    ]
+    root = explanation.rows[-1]
+    assert "model.embed_tokens.weight" in root.param_names and "model.norm.weight" in root.param_names
+    assert "lm_head.weight" not in root.param_names, "tied to the embedding: one parameter, counted once"
+    assert all(row.policy.mixed_precision.param_dtype is torch.bfloat16 for row in explanation.rows)
 
 
 def test_tied_group_and_policies_of_bf16_config() -> None:

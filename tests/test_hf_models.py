@@ -6,23 +6,26 @@ section promises, on 2 gloo ranks against DDP and against the unsharded model.
 - HF's own gradient checkpointing (``use_reentrant=False``) on top of the sharded layers;
 - ``generate`` after ``fl.register_fsdp_forward_method(model, "generate")`` equals the unsharded model's,
   also with different prompts per rank that stop at different lengths (``synced_gpus=True``);
-- a full (unsharded) state dict loaded into the sharded model, each rank keeping its rows.
+- a full (unsharded) state dict loaded into the sharded model, each rank keeping its rows;
+- the shipped ``configs/hf_causal_lm.yaml`` (bf16) against torch's ``fully_shard`` under the same policy.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers  # in fsdp2lite[dev] (and [hf]): a missing one fails here, it is never skipped
-from _dist import spawn_checks
+from _dist import cpu_mesh, spawn_checks
 from _parity import full, train_and_compare
 
 import fsdp2lite as fl
 
+REPO = Path(__file__).resolve().parents[1]
 FP32_LAYERS = fl.FSDPConfig.model_validate(
     {"wrap": [{"match": {"class": ["LlamaDecoderLayer", "GPT2Block"]}}]}
 )  # configs/hf_causal_lm.yaml's rule, without its bf16
@@ -141,6 +144,37 @@ def check_full_state_dict_into_sharded(rank: int, ws: int) -> None:
         assert torch.equal(full(param), expected[name]), name
     window = batch(1, 0)
     torch.testing.assert_close(loss_fn(target, window), loss_fn(source, window), rtol=1e-5, atol=1e-6)
+
+
+def check_shipped_bf16_config_against_torch(rank: int, ws: int) -> None:
+    """configs/hf_causal_lm.yaml (bf16 compute, fp32 reduction) against torch's fully_shard under the
+    same policy: the losses of 3 AdamW steps, the gradients' dtype and their placements."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ours = llama()
+    theirs = copy.deepcopy(ours)
+    fl.apply_config(
+        ours, fl.FSDPConfig.from_yaml(REPO / "configs" / "hf_causal_lm.yaml"), fl.init_mesh(device_type="cpu")
+    )
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in theirs.model.layers:
+        torch_fully_shard(layer, mesh=cpu_mesh(), mp_policy=policy)
+    torch_fully_shard(theirs, mesh=cpu_mesh(), mp_policy=policy)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    for step in range(3):
+        window = batch(step, rank)
+        losses = [loss_fn(model, window) for model in (ours, theirs)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(
+            losses[0], losses[1], rtol=2e-3, atol=2e-3, msg=lambda m, step=step: f"step {step}: {m}"
+        )
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert p.grad.dtype == q.grad.dtype == torch.float32 and p.grad.placements == q.grad.placements, name
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
 
 
 def test_hf_models_on_two_ranks() -> None:
