@@ -441,7 +441,7 @@ class Run:
 
 
 def prepare(args: argparse.Namespace, job: Job) -> Run:
-    config_path = args.config or (GPT_CONFIG if args.model_config == "gpt" else HF_CONFIG)
+    config_path = args.config or shown(GPT_CONFIG if args.model_config == "gpt" else HF_CONFIG)
     config, spec, resume, tokenizer, dataset = on_every_rank(
         job, "reading the arguments", lambda: read_inputs(args, config_path)
     )
@@ -464,6 +464,11 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
                 file=sys.stderr,
             )
     return run
+
+
+def shown(path: Path) -> Path:
+    """``path`` relative to the working directory when it lies below it (for messages and the report)."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def read_inputs(args: argparse.Namespace, config_path: Path) -> tuple[Any, ...]:
@@ -613,10 +618,11 @@ class Report:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.console = Console(stderr=True)
+        ranks = f"{job.world_size} rank{'s' * (job.world_size != 1)} ({job.backend} on {job.device.type})"
         resumed = f", resumed from {run.resumed_from}" if run.resumed_from else ""
         self.console.print(
-            f"[bold]{run.spec.label}[/]: {params / 1e6:.2f}M parameters, {job.world_size} ranks ({job.backend} on "
-            f"{job.device.type}), config {run.config_path}, tokenizer {run.tokenizer}{resumed}",
+            f"[bold]{run.spec.label}[/]: {params / 1e6:.2f}M parameters, {ranks}, config {run.config_path}, "
+            f"tokenizer {run.tokenizer}{resumed}",
             soft_wrap=True,
         )
         columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"))
