@@ -11,11 +11,11 @@ Many machines (the same command on every node; HOST:PORT is one node every node 
     torchrun --nnodes M --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         --rdzv-id my-job examples/train.py --config ... --checkpoint-dir /shared/ckpt --resume latest
 
-Slurm (one torchrun per node; the first node of the allocation is the rendezvous host):
+Slurm, in a batch script (one torchrun per node; the allocation's first node is the rendezvous host):
 
-    srun --nodes M --ntasks-per-node 1 bash -c 'torchrun --nnodes $SLURM_NNODES --nproc-per-node G \\
-        --rdzv-backend c10d --rdzv-endpoint $(scontrol show hostnames $SLURM_JOB_NODELIST | head -1):29500 \\
-        --rdzv-id $SLURM_JOB_ID examples/train.py --config ... --resume latest'
+    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+    srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" examples/train.py ... --resume latest
 
 ``python examples/train.py ...`` without torchrun runs one process (world size 1). Nothing is
 downloaded: models come from a preset or a local directory, data from a local file or directory.
