@@ -255,8 +255,18 @@ class ModelSpec:
 
 
 def resolve_model(args: argparse.Namespace) -> ModelSpec:
-    name = args.model_config or (str(args.weights) if args.weights else "llama-tiny")
-    if name in PRESETS:
+    """The model's config: a preset, ``--model-config DIR``, or ``--weights DIR``'s own config.json
+    (read on every rank, so DIR must be readable on every node; only rank 0 reads the weights)."""
+    if args.weights is not None and args.model_config is not None:
+        raise UsageError(
+            f"--weights {args.weights} and --model-config {args.model_config}: pass one; a checkpoint "
+            "directory brings its own config.json"
+        )
+    if args.weights is not None:
+        flag, name = "--weights", str(args.weights)
+    else:
+        flag, name = "--model-config", args.model_config or "llama-tiny"
+    if flag == "--model-config" and name in PRESETS:
         kind, fields = PRESETS[name]
         if kind == "fsdp2lite":
             return ModelSpec(name, None, GPTConfig(seq_len=args.seq, **fields), None)
@@ -264,9 +274,10 @@ def resolve_model(args: argparse.Namespace) -> ModelSpec:
     directory = Path(name)
     if not (directory / "config.json").is_file():
         what = "has no config.json" if directory.is_dir() else "does not exist"
+        presets = f"not a preset ({', '.join(PRESETS)}) and " if flag == "--model-config" else ""
         raise UsageError(
-            f"--model-config {name}: not a preset ({', '.join(PRESETS)}) and {what}; pass a preset or a local "
-            "directory saved by save_pretrained (nothing is downloaded)"
+            f"{flag} {name}: {presets}{what}; pass {'a preset or ' * bool(presets)}a local directory written by "
+            "save_pretrained (nothing is downloaded)"
         )
     config = _transformers().AutoConfig.from_pretrained(directory, local_files_only=True)
     return ModelSpec(str(directory), config, None, directory)
@@ -291,30 +302,37 @@ def new_model(spec: ModelSpec) -> nn.Module:
     return _transformers().AutoModelForCausalLM.from_config(spec.hf_config)
 
 
-def build_model(args: argparse.Namespace, job: Job, spec: ModelSpec, config: fl.FSDPConfig) -> nn.Module:
-    """Shard the model while it is still on the meta device, then allocate only each rank's shards and
-    fill them from rank 0: no rank ever holds the whole model on its device."""
+def shard_on_meta(spec: ModelSpec, config: fl.FSDPConfig, job: Job) -> nn.Module:
+    """Shard the model while it is still on the meta device, then allocate only this rank's shards
+    (uninitialized): no rank ever holds the whole model on its device."""
     with torch.device("meta"):
         model = new_model(spec)
     mesh = fl.init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=job.device.type)
     fl.apply_config(model, config, mesh)
-    model.to_empty(device=job.device)  # shards (and buffers) now exist, uninitialized
-    source = source_model(args, spec) if job.rank == 0 else None
+    return model.to_empty(device=job.device)
+
+
+def fill_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
+    """Rank 0 sends each full tensor of ``source``; every rank keeps its own shard of it. Collective."""
     full = source.state_dict() if source is not None else {}
-    # rank 0 sends each full tensor; every rank keeps its own shard of it
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     source_buffers = dict(source.named_buffers()) if source is not None else {}
     for name, buffer in model.named_buffers():  # incl. ones the state dict leaves out (rotary inv_freq)
         if source is not None:
             buffer.copy_(source_buffers[name])
         dist.broadcast(buffer, src=0)
-    return model
 
 
 def source_model(args: argparse.Namespace, spec: ModelSpec) -> nn.Module:
     """Rank 0's full copy, on the host: a local checkpoint, or a random init from ``--seed``."""
     if args.weights is not None:
-        model = _transformers().AutoModelForCausalLM.from_pretrained(args.weights, local_files_only=True)
+        try:
+            model = _transformers().AutoModelForCausalLM.from_pretrained(args.weights, local_files_only=True)
+        except Exception as exc:  # a damaged or partial checkpoint: say which, without transformers' internals
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise UsageError(
+                f"--weights {args.weights}: transformers cannot load it: {type(exc).__name__}: {first}"
+            ) from None
         return model.float()  # fp32 master weights; the config's mixed precision casts for compute
     torch.manual_seed(args.seed)
     return new_model(spec)
@@ -445,9 +463,12 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     config, spec, resume, tokenizer, dataset = on_every_rank(
         job, "reading the arguments", lambda: read_inputs(args, config_path)
     )
-    model = on_every_rank(
-        job, f"sharding {spec.label} with {config_path}", lambda: build_model(args, job, spec, config)
-    )
+    model = on_every_rank(job, f"sharding {spec.label} with {config_path}", lambda: shard_on_meta(spec, config, job))
+    # rank 0 reads (or initializes) the full model first, so a bad checkpoint stops every rank here,
+    # before any of them waits in the broadcast
+    source = on_every_rank(job, f"loading {spec.label}", lambda: source_model(args, spec) if job.rank == 0 else None)
+    fill_from_rank0(model, source)
+    del source  # rank 0's full host copy is no longer needed
     decay = [p for p in model.parameters() if p.ndim >= 2]  # no weight decay on norms and biases
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]

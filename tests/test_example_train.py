@@ -258,6 +258,11 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
         (["--model-config", "llama-huge"], "--model-config llama-huge: not a preset (llama-tiny, "),
         (["--batch", "0"], "--batch must be at least 1, got 0"),
         (["--device", "cuda"], "--device cuda: no CUDA device is visible to this process; use --device cpu"),
+        (
+            ["--weights", "nowhere"],
+            "--weights nowhere: does not exist; pass a local directory written by save_pretrained",
+        ),
+        (["--weights", "w", "--model-config", "llama-tiny"], "--weights w and --model-config llama-tiny: pass one"),
         (["--resume", "ck/step-0000009"], "--resume ck/step-0000009: not a finished checkpoint of this script"),
     ],
     ids=[
@@ -267,6 +272,8 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
         "unknown-model",
         "bad-number",
         "no-cuda",
+        "missing-weights",
+        "weights-and-model-config",
         "no-checkpoint",
     ],
 )
@@ -277,6 +284,20 @@ def test_bad_arguments_stop_every_rank_cleanly(args: list[str], message: str, tm
     assert rank0.stderr.count(message) == 1
     assert "Traceback" not in rank0.stderr + rank1.stderr
     assert rank1.stderr.strip() == "" and rank0.stdout == rank1.stdout == "", "only rank 0 speaks"
+
+
+def test_damaged_weights_stop_every_rank_before_the_broadcast(tmp_path: Path) -> None:
+    """Only rank 0 reads --weights; its failure must reach rank 1 before rank 1 waits in the broadcast."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1).save_pretrained(
+        tmp_path / "w"
+    )
+    (tmp_path / "w" / "model.safetensors").write_bytes(b"not a safetensors file")
+    rank0, rank1 = two_ranks_by_hand("--weights", "w", "--steps", "1", cwd=tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (2, 2), rank0.stderr + rank1.stderr
+    assert "error while loading w (rank 0): --weights w: transformers cannot load it: " in rank0.stderr, rank0.stderr
+    assert "Traceback" not in rank0.stderr + rank1.stderr and rank1.stderr.strip() == ""
 
 
 def test_bad_argument_under_torchrun(tmp_path: Path) -> None:
