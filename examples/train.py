@@ -253,6 +253,14 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size if self.hf_config is not None else self.gpt_config.vocab_size)
 
+    @property
+    def max_positions(self) -> tuple[str, int] | None:
+        """(the config key, its value): the longest sequence the model's config allows."""
+        for key in ("max_position_embeddings", "n_positions"):
+            if self.hf_config is not None and isinstance(getattr(self.hf_config, key, None), int):
+                return key, getattr(self.hf_config, key)
+        return None  # fsdp2lite's GPT is built for --seq
+
 
 def resolve_model(args: argparse.Namespace) -> ModelSpec:
     """The model's config: a preset, ``--model-config DIR``, or ``--weights DIR``'s own config.json
@@ -500,6 +508,11 @@ def read_inputs(args: argparse.Namespace, config_path: Path) -> tuple[Any, ...]:
     files = text_files(args.data)
     config = fl.FSDPConfig.from_yaml(config_path)
     spec = resolve_model(args)
+    if spec.max_positions is not None and args.seq > spec.max_positions[1]:
+        key, limit = spec.max_positions
+        raise UsageError(
+            f"--seq {args.seq}: {spec.label} takes at most {limit} positions ({key}); pass --seq {limit} or less"
+        )
     resume = find_resume(args)
     tokenizer, label = load_tokenizer(args, spec)
     tokens = tokenize(files, tokenizer)

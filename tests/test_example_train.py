@@ -263,6 +263,7 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
             "--weights nowhere: does not exist; pass a local directory written by save_pretrained",
         ),
         (["--weights", "w", "--model-config", "llama-tiny"], "--weights w and --model-config llama-tiny: pass one"),
+        (["--model-config", "gpt2-tiny", "--seq", "2048"], "--seq 2048: gpt2-tiny takes at most 1024 positions"),
         (["--resume", "ck/step-0000009"], "--resume ck/step-0000009: not a finished checkpoint of this script"),
     ],
     ids=[
@@ -274,6 +275,7 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
         "no-cuda",
         "missing-weights",
         "weights-and-model-config",
+        "seq-too-long",
         "no-checkpoint",
     ],
 )
