@@ -297,7 +297,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise UsageError(
-            "Hugging Face models need transformers: pip install 'fsdp2lite[hf]' (or use --model-config gpt)"
+            "Hugging Face models need transformers: pip install transformers (fsdp2lite's [hf] extra), "
+            "or use --model-config gpt"
         ) from None
     transformers.logging.set_verbosity_error()
     return transformers
