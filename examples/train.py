@@ -598,7 +598,8 @@ def train(args: argparse.Namespace, job: Job) -> dict[str, Any]:
         loss_sum, grad_norm = train_step(run, batches, step, args, job)
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:  # the only host syncs of a step
-            loss = all_ranks(job, float(loss_sum), dist.ReduceOp.SUM) / job.world_size
+            dist.all_reduce(loss_sum)  # summed over ranks, on the device: one host sync for the loss
+            loss = loss_sum.item() / job.world_size
             norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
             peak = int(all_ranks(job, peak_memory(job), dist.ReduceOp.MAX))
             report.step(done, loss, lr_at(step, args), float(norm), run.tokens_seen, peak)
@@ -626,7 +627,7 @@ class Report:
     """Rank 0's progress bar, log lines and metrics file, and the run's final record (other ranks print nothing)."""
 
     def __init__(self, args: argparse.Namespace, job: Job, run: Run) -> None:
-        self.args, self.job, self.last_step = args, job, run.start_step
+        self.args, self.job, self.last_tokens = args, job, run.tokens_seen
         self.losses: list[float] = []
         self.rates: list[float] = []
         self.peak = 0
@@ -667,9 +668,8 @@ class Report:
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, peak: int) -> None:
         now = time.perf_counter()
-        steps, self.last_step = step - self.last_step, step
-        rate = steps * global_batch(self.args, self.job) * self.args.seq / max(now - self.timer, 1e-9)
-        self.timer = now
+        rate = (tokens - self.last_tokens) / max(now - self.timer, 1e-9)  # since the last log line
+        self.timer, self.last_tokens = now, tokens
         self.losses.append(loss)
         self.rates.append(rate)
         self.peak = max(self.peak, peak)

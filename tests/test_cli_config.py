@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _models import tiny_llama
 
 from fsdp2lite.cli import main
 from fsdp2lite.cli.demo import builtin_policy, load_policy
@@ -223,19 +224,8 @@ def test_groups_partition_the_model_and_cover_a_world_size_share() -> None:
 
 
 def _llama() -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return tiny_llama(layers=3, tied=True)
 
 
 def test_hf_config_gives_one_group_per_decoder_layer_and_a_bf16_root() -> None:

@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,25 +60,36 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
 
 
-def two_nodes(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
-    """The multi-node command, as two one-process "nodes" on this machine meeting at a c10d rendezvous."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Start every (command, environment) at once and wait for all. Output goes to files, not pipes: a
+    process blocked on a full pipe nobody reads yet would stall the collective the others wait in."""
+    started = []
+    for command, command_env in commands:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        process = subprocess.Popen(command, cwd=cwd, env=command_env, stdout=out, stderr=err, text=True)
+        started.append((process, out, err))
+    finished = []
+    for process, out, err in started:
+        code = process.wait(timeout=300)
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            finished.append(subprocess.CompletedProcess(process.args, code, out.read(), err.read()))
+    return finished
+
+
+def two_nodes(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """The multi-node command, as two one-process "nodes" on this machine meeting at a c10d rendezvous."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-job"]
-    nodes = [
-        subprocess.Popen(
-            [*launch, *rendezvous, str(SCRIPT), *args],
-            cwd=cwd,
-            env=env(),
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for _ in range(2)
-    ]
-    return [subprocess.CompletedProcess(n.args, n.wait(timeout=300), *n.communicate()) for n in nodes]
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "test-job"]
+    node = [*launch, *rendezvous, str(SCRIPT), *args]
+    return together([(node, env()), (node, env())], cwd)
 
 
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -223,30 +235,10 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(runs: dict[str, Any]) -> None:
 
 # ---- bad arguments ----------------------------------------------------------------------------------
 def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        rank_env = {
-            **env(),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), *args],
-                cwd=cwd,
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, str(SCRIPT), *args]
+    ranks = [{**env(), **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)]
+    return together([(command, rank_env) for rank_env in ranks], cwd)
 
 
 @pytest.mark.parametrize(

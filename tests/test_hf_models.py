@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers  # in fsdp2lite[dev] (and [hf]): a missing one fails here, it is never skipped
 from _dist import cpu_mesh, spawn_checks
+from _models import tiny_llama
 from _parity import full, train_and_compare
 
 import fsdp2lite as fl
@@ -32,17 +33,8 @@ FP32_LAYERS = fl.FSDPConfig.model_validate(
 
 
 def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return tiny_llama()
 
 
 def gpt2() -> nn.Module:
