@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import FSDPConfig, apply_config
-from .estimate import (
+from ..config import FSDPConfig, apply_config
+from ..mesh import init_mesh
+from .common import (
     MemoryEstimate,
     default_config,
     fsdp_params,
@@ -21,7 +22,6 @@ from .estimate import (
     step_inputs,
     step_loss,
 )
-from .mesh import init_mesh
 
 _SCHEDULE_SETTERS = (
     ("forward_prefetch_depth", "set_forward_prefetch_depth"),
@@ -67,8 +67,8 @@ def simulate_estimate(
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
     """The target device's schedule defaults where the config says ``auto``, and its reduction: gloo's
     in-place all-reduce on ``cpu``, a native reduce-scatter on ``cuda``."""
-    from ._runtime.state import schedule_defaults
-    from .api import FSDPModule
+    from .._runtime.state import schedule_defaults
+    from ..api import FSDPModule
 
     defaults = schedule_defaults(on_cuda=device == "cuda")
     for key, setter in _SCHEDULE_SETTERS:
@@ -177,7 +177,7 @@ def _peak_group(tracker: Any, model: nn.Module, total: int) -> str | None:
     outside every group (the loss)."""
     from torch.distributed._tools.mem_tracker import _ModState
 
-    from .api import FSDPModule
+    from ..api import FSDPModule
 
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     best: tuple[int, str] | None = None

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import FSDPConfig, checkpoint_forward, plan_config
-from .estimate import (
+from ..config import FSDPConfig, checkpoint_forward, plan_config
+from ..policies import cast_dtype
+from .common import (
     MemoryEstimate,
     default_config,
     element_size,
@@ -37,7 +38,6 @@ from .estimate import (
     step_inputs,
     step_loss,
 )
-from .policies import cast_dtype
 
 
 def analytic_estimate(

@@ -1,0 +1,28 @@
+"""How config problems are reported: ``Problem`` (where, what, what would be valid) and ``ConfigError``
+(every problem of one config or one apply, raised together)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Problem(NamedTuple):
+    """One problem in a config: where, what, and what would be valid."""
+
+    location: str  # dotted path, e.g. "wrap.1.match.clas"
+    message: str
+    suggestion: str
+
+
+class ConfigError(ValueError):
+    """Every problem found in one config (or in applying it), reported together."""
+
+    def __init__(self, source: str | Path, problems: list[Problem]) -> None:
+        self.source = str(source)
+        self.problems = problems
+        lines = [f"{self.source}: {len(problems)} problem(s)"]
+        for p in problems:
+            hint = f" ({p.suggestion})" if p.suggestion else ""
+            lines.append(f"  {p.location or '<top>'}: {p.message}{hint}")
+        super().__init__("\n".join(lines))

@@ -1,0 +1,286 @@
+"""Planning: which modules become which groups under which policies, and every check that needs the model.
+
+``plan_config(model, config)`` matches the wrap rules against ``model.named_modules()`` (first rule wins),
+collects the ignored and the dim-sharded parameters and records every problem instead of raising, so
+``apply_config``, ``explain`` and ``estimate`` refuse exactly the same things.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from ..policies import MixedPrecisionPolicy, cast_dtype
+from .errors import Problem
+from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    """The effective policies of one group (top-level values with the rule's overrides)."""
+
+    reshard_after_forward: ReshardAfterForward
+    mixed_precision: MixedPrecisionPolicy
+    offload: OffloadConfig
+    reduce_scatter_unused_params: bool = False
+    unshard_in_backward: bool = True
+    activation_checkpointing: bool = False
+
+    def fully_shard_kwargs(self) -> dict[str, Any]:
+        value = self.reshard_after_forward
+        return {
+            "reshard_after_forward": None if value == "auto" else value,
+            "mp_policy": self.mixed_precision,
+            "offload_policy": self.offload.to_policy(),
+        }
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One planned ``fully_shard`` call."""
+
+    paths: tuple[str, ...]  # module paths ("" is the root)
+    modules: tuple[nn.Module, ...]
+    rule_index: int | None  # index into config.wrap; None for the root
+    policy: GroupPolicy
+    depth: int  # deepest module's depth: groups are applied deepest first
+
+
+@dataclass
+class Plan:
+    """The result of matching a config's rules against a model, before anything is sharded."""
+
+    groups: list[GroupPlan] = field(default_factory=list)  # bottom-up order, root last
+    params: list[dict[str, nn.Parameter]] = field(default_factory=list)  # per group: name -> parameter
+    ignored: dict[str, nn.Parameter] = field(default_factory=dict)  # parameter path -> parameter
+    problems: list[Problem] = field(default_factory=list)  # rules that match nothing
+    refused: list[Problem] = field(default_factory=list)  # parameters that cannot be sharded as planned
+    shard_dims: dict[str, int] = field(default_factory=dict)  # parameter path -> shard dim, for matched ones
+
+
+def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
+    """Match the wrap rules (first match wins) and ignore rules, assign each parameter to the group
+    ``fully_shard`` would give it (groups in plan order), and collect every problem: rules that match
+    nothing, parameters tied across groups, 0-dim parameters."""
+    plan = Plan()
+    top = GroupPolicy(
+        config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params
+    )
+    matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
+    for path, module in model.named_modules():
+        if path == "":
+            continue  # the root gets the top-level policy
+        for index, rule in enumerate(config.wrap):
+            if rule.match.matches(path, type(module).__name__):
+                matched[index].append((path, module))
+                break
+    class_names = sorted({type(m).__name__ for m in model.modules()})
+    for index, (rule, hits) in enumerate(zip(config.wrap, matched)):
+        if not hits:
+            plan.problems.append(
+                Problem(f"wrap.{index}.match", "matches no module", f"the model's classes: {', '.join(class_names)}")
+            )
+            continue
+        policy = _rule_policy(top, rule)
+        batches = [hits] if rule.group else [[hit] for hit in hits]
+        for batch in batches:
+            paths = tuple(p for p, _ in batch)
+            depth = max(p.count(".") + 1 for p in paths)
+            plan.groups.append(GroupPlan(paths, tuple(m for _, m in batch), index, policy, depth))
+    for group in plan.groups:
+        for path, module in zip(group.paths, group.modules):
+            if type(module).forward is nn.Module.forward:
+                plan.refused.append(
+                    Problem(
+                        path,
+                        f"a {type(module).__name__} has no forward, so fully_shard cannot make it a group "
+                        f"(matched by wrap.{group.rule_index})",
+                        f"match its children instead, e.g. path: '{path}.*'",
+                    )
+                )
+    plan.groups.sort(key=lambda g: -g.depth)  # stable: rule order within a depth
+    plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
+    _plan_ignored(model, config, plan, class_names)
+    plan.params, refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
+    plan.refused.extend(refused)
+    plan.refused.extend(_dtype_problems(plan))
+    _plan_shard_dims(model, config, plan)
+    return plan
+
+
+def _dtype_problems(plan: Plan) -> list[Problem]:
+    """A group all-gathers in one dtype: mixed parameter dtypes need a param_dtype (fully_shard's check)."""
+    problems = []
+    for group, params in zip(plan.groups, plan.params):
+        param_dtype = group.policy.mixed_precision.param_dtype
+        dtypes = {str(cast_dtype(p, param_dtype)).removeprefix("torch.") for p in params.values()}
+        if len(dtypes) > 1:
+            label = " + ".join(path or "<root>" for path in group.paths)
+            problems.append(
+                Problem(
+                    label,
+                    f"its parameters have several dtypes ({', '.join(sorted(dtypes))}), but a group all-gathers in one",
+                    "set mixed_precision.param_dtype for it, or give those parameters a group of their own",
+                )
+            )
+    return problems
+
+
+def mesh_problems(plan: Plan, config: FSDPConfig, shard_size: int) -> list[Problem]:
+    """What only the mesh decides: an int ``reshard_after_forward`` must divide the shard degree. Shared
+    by ``apply_config`` (its mesh) and ``explain`` (its ``--world-size``)."""
+    problems = []
+    divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
+    for group in plan.groups:
+        value = group.policy.reshard_after_forward
+        if isinstance(value, int) and not isinstance(value, bool) and shard_size % value:
+            rule = group.rule_index
+            location = (
+                "reshard_after_forward"
+                if rule is None or config.wrap[rule].reshard_after_forward is None
+                else f"wrap.{rule}.reshard_after_forward"
+            )
+            problem = Problem(
+                location,
+                f"{value} does not divide the shard degree {shard_size}",
+                f"use one of {divisors}, true or false",
+            )
+            if problem not in problems:
+                problems.append(problem)
+    return problems
+
+
+def _plan_shard_dims(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
+    """Each ``shard_placement`` rule's parameters (first match wins), with their dims checked."""
+    params = {name: p for name, p in model.named_parameters() if name not in plan.ignored}
+    for index, rule in enumerate(config.shard_placement):
+        hits = [name for name in params if any(fnmatch.fnmatchcase(name, g) for g in as_list(rule.path))]
+        if not hits:
+            plan.problems.append(
+                Problem(
+                    f"shard_placement.{index}",
+                    "matches no parameter",
+                    f"parameter names look like: {next(iter(params), '')}",
+                )
+            )
+        for name in hits:
+            if name in plan.shard_dims:
+                continue  # an earlier rule took it
+            ndim = params[name].dim()
+            if not -ndim <= rule.dim < ndim:
+                plan.refused.append(
+                    Problem(
+                        name,
+                        f"shard_placement.{index} asks for dim {rule.dim}, but the parameter has shape "
+                        f"{tuple(params[name].shape)}",
+                        f"use a dim in 0 .. {ndim - 1} (or -{ndim} .. -1), or a narrower path",
+                    )
+                )
+                continue
+            plan.shard_dims[name] = rule.dim % ndim
+    for name, dim in plan.shard_dims.items():
+        group = next((g for g, owned in zip(plan.groups, plan.params) if name in owned), None)
+        reshard = group.policy.reshard_after_forward if group is not None else None
+        if dim and isinstance(reshard, int) and not isinstance(reshard, bool) and reshard > 1:
+            plan.refused.append(
+                Problem(
+                    name,
+                    f"sharded on dim {dim}, but its group reshards to {reshard} ranks after forward (dim-0 chunks)",
+                    "use reshard_after_forward: true or false for that group, or shard the parameter on dim 0",
+                )
+            )
+
+
+def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
+    mixed = top.mixed_precision
+    if rule.mixed_precision is not None:
+        overrides = {k: getattr(rule.mixed_precision, k) for k in rule.mixed_precision.model_fields_set}
+        mixed = mixed.model_copy(update=overrides)
+    unused = top.reduce_scatter_unused_params
+    return GroupPolicy(
+        top.reshard_after_forward if rule.reshard_after_forward is None else rule.reshard_after_forward,
+        mixed,
+        top.offload if rule.offload is None else rule.offload,
+        unused if rule.reduce_scatter_unused_params is None else rule.reduce_scatter_unused_params,
+        rule.unshard_in_backward,
+        rule.activation_checkpointing,
+    )
+
+
+def _plan_ignored(model: nn.Module, config: FSDPConfig, plan: Plan, class_names: list[str]) -> None:
+    owners = {join_path(mp, n): type(m).__name__ for mp, m in model.named_modules() for n in m._parameters}
+    params = dict(model.named_parameters())
+    for index, rule in enumerate(config.ignore):
+        hits = [name for name in params if rule.matches(name, owners.get(name, ""))]
+        if not hits:
+            plan.problems.append(
+                Problem(
+                    f"ignore.{index}", "matches no parameter", f"parameter names look like: {next(iter(params), '')}"
+                )
+            )
+        for name in hits:
+            plan.ignored[name] = params[name]
+
+
+def _assign_params(groups: list[GroupPlan], ignored: set[int]) -> tuple[list[dict[str, nn.Parameter]], list[Problem]]:
+    """Each group's parameters (name -> parameter), sharding in plan order as ``apply_config`` does."""
+    owned: list[dict[str, nn.Parameter]] = []
+    refused: list[Problem] = []  # fully_shard raises for these, or (ties across sibling groups) unties them
+    applied: set[int] = set()  # ids of modules of groups sharded before this one
+    taken: dict[int, str] = {}  # id(parameter) -> label of the group that owns it
+    for group in groups:
+        label = " + ".join(path or "<root>" for path in group.paths)
+        params: dict[str, nn.Parameter] = {}
+        for name, param in _group_params(group, applied, ignored):
+            if id(param) in taken:
+                if taken[id(param)] != label:
+                    refused.append(_tie_problem(name, taken[id(param)]))
+                continue
+            taken[id(param)] = label
+            params[name] = param
+            if param.dim() == 0:
+                refused.append(Problem(name, "0-dim parameter: fully_shard shards on dim 0", _ignore_hint(name)))
+        owned.append(params)
+        applied.update(id(module) for module in group.modules)
+    return owned, refused
+
+
+def _tie_problem(name: str, owner: str) -> Problem:
+    return Problem(
+        name,
+        f"tied to a parameter that group '{owner}' already owns; a tie must stay within one group",
+        "put the modules sharing it in one rule with group: true, or leave them to one enclosing group",
+    )
+
+
+def _ignore_hint(name: str) -> str:
+    return f"make it shape (1,), or leave it unsharded: ignore: [{{path: {name}}}]"
+
+
+def _group_params(group: GroupPlan, applied: set[int], ignored: set[int]) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the group's modules, not descending into modules of earlier groups."""
+    seen: set[int] = set()
+    for path, module in zip(group.paths, group.modules):
+        for prefix, submodule in _walk(module, path, applied, seen):
+            for name, param in submodule._parameters.items():
+                if param is not None and id(param) not in ignored:
+                    yield join_path(prefix, name), param
+
+
+def _walk(module: nn.Module, path: str, applied: set[int], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield path, module
+    for name, child in module.named_children():
+        if id(child) not in applied:
+            yield from _walk(child, join_path(path, name), applied, seen)
+
+
+def join_path(prefix: str, name: str) -> str:
+    """A module or parameter path: ``prefix.name``, or ``name`` at the root."""
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,333 @@
+"""The YAML schema: ``FSDPConfig`` and its parts, loading (the one place YAML is read) and pydantic's errors
+as ``Problem``s.
+
+    mesh: {replicate: 1, shard: -1}
+    reshard_after_forward: auto          # true | false | int | auto (root false, others true)
+    mixed_precision: {param_dtype: bf16, reduce_dtype: fp32}
+    offload: {device: none}              # none | cpu
+    wrap:                                # ordered; the first rule a module matches wins
+      - match: {class: Block}            # each matched module becomes its own group
+      - match: {path: [norm, head]}
+        group: true                      # all matches of this rule form one group
+        mixed_precision: {param_dtype: fp32}
+    ignore:
+      - {path: "*.rotary.*"}             # parameters left unsharded and unreduced
+    schedule:                            # the root's schedule settings; auto = the device's default
+      forward_prefetch_depth: auto       # int >= 0 | auto (1 on CPU, 0 on CUDA)
+      late_backward_prefetch: auto       # true | false | auto (true on CPU, false on CUDA)
+      overlap_reduce_scatter: auto       # true | false | auto (false on CPU, true on CUDA)
+
+YAML is read in exactly one function (``FSDPConfig.from_yaml``); everything after works on validated
+objects. Errors are collected, not raised one by one: ``ConfigError.problems`` lists every problem
+with its location, message and, for unknown keys, the closest valid key (``problems_from``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..mesh import resolve_mesh_degrees
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .errors import ConfigError, Problem
+
+_STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+ReshardAfterForward = bool | int | Literal["auto"]
+
+
+class MeshConfig(BaseModel):
+    """Device mesh degrees. ``replicate > 1`` means HSDP: shard within groups, replicate across them."""
+
+    model_config = _STRICT
+
+    replicate: int = Field(1, ge=1, description="replicas (outer mesh axis); 1 = plain FSDP")
+    shard: int = Field(-1, description="ranks each parameter is sharded over; -1 = world_size / replicate")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard_positive_or_auto(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"shard must be a positive rank count or -1 (the remaining ranks), got {value}")
+        return value
+
+    def resolve(self, world_size: int) -> tuple[int, int]:
+        """(replicate, shard) for ``world_size`` ranks; raises with the numbers when they do not fit."""
+        return resolve_mesh_degrees(self.replicate, self.shard, world_size)
+
+
+class OffloadConfig(BaseModel):
+    """Where sharded parameters and gradients live between uses."""
+
+    model_config = _STRICT
+
+    device: Literal["none", "cpu"] = Field("none", description="none: on the device; cpu: on the host")
+    pin_memory: bool = Field(True, description="pin host memory (with device: cpu) for async copies; needs CUDA")
+
+    def to_policy(self) -> OffloadPolicy:
+        return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.device == "cpu" else OffloadPolicy()
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML requires unique keys; PyYAML
+    would keep the last value silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(
+                    Problem(
+                        f"line {line}",
+                        f"key {key!r} is given twice in one mapping (first on line {seen[key]})",
+                        "keep one of them: YAML keys must be unique, and the last would silently win",
+                    )
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class Match(BaseModel):
+    """Which modules (or, under ``ignore``, which parameters) a rule selects; given keys must all match."""
+
+    model_config = _STRICT
+
+    class_: str | list[str] | None = Field(
+        None, alias="class", description="module class name(s), e.g. Block or [Block, MLP]"
+    )
+    path: str | list[str] | None = Field(
+        None, description="glob(s) over module paths (parameter names under ignore), e.g. 'layers.*'"
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Match:
+        if self.class_ is None and self.path is None:
+            raise ValueError("a match needs 'class' and/or 'path'")
+        return self
+
+    def matches(self, path: str, class_name: str) -> bool:
+        if self.class_ is not None and class_name not in as_list(self.class_):
+            return False
+        return self.path is None or any(fnmatch.fnmatchcase(path, glob) for glob in as_list(self.path))
+
+
+class ScheduleConfig(BaseModel):
+    """The root's schedule settings (docs/design.md, "Devices"); ``auto`` keeps the device's default."""
+
+    model_config = _STRICT
+
+    forward_prefetch_depth: int | Literal["auto"] = Field(
+        "auto", description="groups all-gathered ahead in forward; auto: 1 on CPU, 0 on CUDA"
+    )
+    late_backward_prefetch: bool | Literal["auto"] = Field(
+        "auto",
+        description="in backward, all-gather the next group after this group's reduce-scatter (true) or at "
+        "its pre-backward (false); auto: true on CPU, false on CUDA",
+    )
+    overlap_reduce_scatter: bool | Literal["auto"] = Field(
+        "auto",
+        description="wait each reduce-scatter one group later, overlapping the next group's backward (true) "
+        "or right after issuing it (false); auto: false on CPU, true on CUDA",
+    )
+
+    @field_validator("forward_prefetch_depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, int) and value < 0):
+            raise ValueError(f"forward_prefetch_depth is a group count >= 0 or auto, got {value!r}")
+        return value
+
+    def apply_to(self, root: Any) -> None:
+        """Set every non-auto value on ``root`` (an FSDPModule that will be the root) through its
+        ``set_<key>`` method, which checks it."""
+        for key, value in self.model_dump().items():
+            if value != "auto":
+                getattr(root, f"set_{key}")(value)
+
+
+class WrapRule(BaseModel):
+    """One wrap rule: the modules it matches become groups, with optional policy overrides."""
+
+    model_config = _STRICT
+
+    match: Match = Field(description="which modules this rule takes")
+    group: bool = Field(False, description="true: all matches form ONE group; false: one group per match")
+    reshard_after_forward: ReshardAfterForward | None = Field(None, description="overrides the top-level value")
+    mixed_precision: MixedPrecisionPolicy | None = Field(
+        None, description="overrides the top-level fields it sets; the others are inherited"
+    )
+    offload: OffloadConfig | None = Field(None, description="overrides the top-level offload")
+    reduce_scatter_unused_params: bool | None = Field(None, description="overrides the top-level value")
+    unshard_in_backward: bool = Field(
+        True, description="false: never all-gather these groups in backward (their backward needs no values)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="true: recompute these modules' forward in backward instead of keeping activations"
+    )
+
+
+class ShardPlacementRule(BaseModel):
+    """Parameters (by name glob) sharded on another dim than 0: ``shard_placement_fn`` as YAML."""
+
+    model_config = _STRICT
+
+    path: str | list[str] = Field(description="glob(s) over parameter names, e.g. '*.experts.*.weight'")
+    dim: int = Field(description="the dim to shard on (torch.chunk along it); negative counts from the end")
+
+
+class FSDPConfig(BaseModel):
+    """A whole sharding setup: mesh, top-level policies, wrap rules, ignored parameters and the schedule."""
+
+    model_config = _STRICT
+
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="mesh degrees (see MeshConfig)")
+    reshard_after_forward: ReshardAfterForward = Field(
+        "auto",
+        description="true | false | int (reshard to groups of that many ranks) | auto (root false, others true)",
+    )
+    mixed_precision: MixedPrecisionPolicy = Field(
+        default_factory=MixedPrecisionPolicy, description="top-level mixed precision"
+    )
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="top-level offload")
+    wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
+    ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
+    shard_placement: list[ShardPlacementRule] = Field(
+        default_factory=list, description="parameters sharded on another dim than 0; first match wins"
+    )
+    reduce_scatter_unused_params: bool = Field(
+        False, description="reduce zeros for parameters that got no gradient (ranks using different experts)"
+    )
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig, description="the root's schedule settings (see ScheduleConfig)"
+    )
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _positive_int(cls, value: ReshardAfterForward) -> ReshardAfterForward:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"an int reshard_after_forward is a rank count >= 1, got {value}")
+        return value
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FSDPConfig:
+        """Load and validate a YAML file; raises ``ConfigError`` listing every problem found."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(path, [Problem("", f"cannot read the file: {exc.strerror or exc}", "")]) from None
+        except UnicodeDecodeError:
+            raise ConfigError(path, [Problem("", "not a text file (not UTF-8): is this a YAML config?", "")]) from None
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        except _DuplicateKey as exc:
+            raise ConfigError(path, [exc.problem]) from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(path, [Problem(where, f"not valid YAML: {problem}", "")]) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            found = type(data).__name__
+            raise ConfigError(path, [Problem("", f"the top level must be a mapping of keys, got a {found}", "")])
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(path, problems_from(exc)) from None
+
+    def to_yaml(self) -> str:
+        """The config as YAML (dtypes by their short names); ``from_yaml`` reads it back equal."""
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def problems_from(exc: ValidationError) -> list[Problem]:
+    """pydantic's errors as Problems; unknown keys get the closest valid key as a suggestion, and a value
+    no member of a union accepts is one problem listing what would be valid (not one per member)."""
+    problems: list[Problem] = []
+    unions: dict[tuple[Any, ...], tuple[int, list[Any]]] = {}  # parent location -> (problem index, errors)
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        location = ".".join(str(part) for part in loc)
+        if error["type"] == "extra_forbidden":
+            valid = _valid_keys(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            suggestion = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
+            problems.append(Problem(location, f"unknown key '{loc[-1]}'", suggestion))
+        elif _union_member(loc):
+            if loc[:-1] not in unions:
+                unions[loc[:-1]] = (len(problems), [])
+                problems.append(Problem("", "", ""))  # a placeholder, keeping the order: filled in below
+            unions[loc[:-1]][1].append(error)
+        else:
+            problems.append(Problem(location, error["msg"].removeprefix("Value error, "), ""))
+    for parent, (index, errors) in unions.items():
+        accepted = ", ".join(_member_phrase(str(error["loc"][-1])) for error in errors)
+        location = ".".join(str(part) for part in parent)
+        problems[index] = Problem(location, f"{errors[0]['input']!r} is not valid here", f"use {accepted}")
+    return problems
+
+
+def _union_member(loc: tuple[Any, ...]) -> bool:
+    """pydantic tags an error of one union member with the member's type ('bool', 'int',
+    "literal['auto']", 'list[str]'): a last location part that is no key where it stands."""
+    if len(loc) < 2 or not isinstance(loc[-1], str):
+        return False
+    return loc[-1] not in _valid_keys(loc[:-1]) and loc[-2] in _valid_keys(loc[:-2])
+
+
+def _member_phrase(tag: str) -> str:
+    """How a union member's tag reads in a suggestion: ``literal['auto']`` -> ``auto``."""
+    if tag.startswith("literal["):
+        return tag.removeprefix("literal[").removesuffix("]").replace("'", "")
+    return {"bool": "true or false", "int": "an integer", "str": "a string", "list[str]": "a list of strings"}.get(
+        tag, tag
+    )
+
+
+def _valid_keys(loc: Sequence[str | int]) -> list[str]:
+    """Keys allowed at ``loc`` in the FSDPConfig schema (aliases as written in YAML)."""
+    model: Any = FSDPConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(part) or next((f for f in model.model_fields.values() if f.alias == part), None)
+        if info is None:
+            return []
+        model = _model_in(info.annotation)
+        if model is None:
+            return []
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation like ``list[Match]`` or ``Match | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def as_list(value: str | list[str]) -> list[str]:
+    """A rule's one-or-many field (a class name or glob, or a list of them) as a list."""
+    return [value] if isinstance(value, str) else value

@@ -1,0 +1,148 @@
+"""``fsdp2lite migrate``: an Accelerate, HF Trainer, DeepSpeed or torchtitan setup as an fsdp2lite config.
+
+    m = migrate("deepspeed", "ds_config.json")
+    m.config            # an FSDPConfig: what apply_config applies
+    m.yaml()            # the policy file, a comment on each key naming where it came from
+    m.keys              # every input key: mapped (to what), dropped (why), unsupported (what is missing), unknown
+
+Each source is a table from its keys (dotted paths into the parsed file; ``prefix.*`` for whole
+sections) to a handler that writes fsdp2lite keys, or to the reason it has no equivalent. A key in no
+table is ``unknown``, with the closest key the tool does have. Files are read with ``json``,
+``yaml.safe_load`` and ``tomllib``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .accelerate import ACCELERATE, HF_TRAINER, hf_option, size_based_groups
+from .common import SOURCES, KeyReport, Migration, MigrationError, Rule, Status, add_block_rule
+from .deepspeed import DEEPSPEED
+from .torchtitan import TORCHTITAN
+
+__all__ = ["SOURCES", "KeyReport", "Migration", "MigrationError", "migrate", "read_input", "size_based_groups"]
+
+TABLES = {"accelerate": ACCELERATE, "hf-trainer": HF_TRAINER, "deepspeed": DEEPSPEED, "torchtitan": TORCHTITAN}
+
+
+def read_input(source: str, path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise MigrationError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise MigrationError(f"{path}: not a text file") from None
+    try:
+        if source == "torchtitan":
+            data: Any = _toml().loads(text)
+        elif source == "accelerate":
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # each parser has its own error types
+        kind = {"torchtitan": "TOML", "accelerate": "YAML"}.get(source, "JSON")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MigrationError(f"{path}: not valid {kind} for --from {source}: {first}") from None
+    if not isinstance(data, dict):
+        raise MigrationError(f"{path}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    return data
+
+
+def _toml() -> Any:
+    """The standard library's TOML reader (Python 3.11+), or ``tomli`` (the same, for 3.10)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _rule_for(table: dict[str, Rule], key: str) -> Rule | None:
+    if key in table:
+        return table[key]
+    for pattern, rule in table.items():
+        if pattern.endswith(".*") and key.startswith(pattern[:-1]):
+            return rule
+    return None
+
+
+def migrate(
+    source: str,
+    path: str | Path,
+    *,
+    fsdp_option: str | None = None,
+    world_size: int | None = None,
+    model: Any = None,
+) -> Migration:
+    """Read ``path`` as a config of ``source`` and map every key (see the module docstring)."""
+    if source not in TABLES:
+        raise ValueError(f"--from must be one of {', '.join(SOURCES)}; got {source!r}")
+    data = read_input(source, path)
+    if source == "hf-trainer" and isinstance(data.get("fsdp_config"), dict):
+        data = data["fsdp_config"]  # TrainingArguments as JSON: the FSDP part
+    _check_format(source, path, data)
+    m = Migration(source, str(path), model=model)
+    if world_size is not None:
+        m.data["_world_size"] = world_size
+    if source == "accelerate" and "num_machines" in data:
+        m.data["_machines"] = data["num_machines"]
+    if source == "torchtitan":  # its parallelize applies fully_shard to each TransformerBlock, then the model
+        add_block_rule(m, ["TransformerBlock"], "torchtitan: one fully_shard per TransformerBlock")
+    table = TABLES[source]
+    flat = _flatten(data)
+    first = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params")  # rules before what checkpoints them
+    ordered = sorted(flat, key=lambda k: (not k.endswith(first), k))
+    for key in ordered:
+        value = flat[key]
+        rule = _rule_for(table, key)
+        shown = json.dumps(value) if not isinstance(value, str) else value
+        if rule is None:
+            close = difflib.get_close_matches(key, [k for k in table if not k.endswith(".*")], n=1, cutoff=0.6)
+            detail = f"did you mean {close[0]!r}?" if close else f"not a {source} key fsdp2lite knows"
+            m.keys.append(KeyReport(key, shown, "unknown", detail))
+        elif callable(rule):
+            mapped = rule(m, value)
+            status: Status = "unsupported" if mapped.startswith("unsupported") else "mapped"
+            m.keys.append(KeyReport(key, shown, status, mapped.removeprefix("unsupported: ")))
+        else:
+            m.keys.append(KeyReport(key, shown, rule[0], rule[1]))
+    if fsdp_option:
+        m.keys.extend(hf_option(m, fsdp_option))
+    for private in ("_world_size", "_machines"):
+        m.data.pop(private, None)
+    m.config  # noqa: B018  (raises MigrationError for values that do not make a valid config)
+    return m
+
+
+def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:
+    """The file must look like the tool's own config, or the report would be all 'unknown'."""
+    if source == "accelerate" and data.get("distributed_type") not in ("FSDP", None):
+        raise MigrationError(f"{path}: distributed_type is {data.get('distributed_type')!r}; only FSDP setups migrate")
+    expected = {
+        "accelerate": ("distributed_type", "fsdp_config"),
+        "deepspeed": ("zero_optimization",),
+        "torchtitan": ("parallelism", "training", "job"),
+        "hf-trainer": tuple(k for k in HF_TRAINER),
+    }[source]
+    if not any(key in data for key in expected):
+        raise MigrationError(
+            f"{path}: does not look like a {source} config (none of {', '.join(expected[:4])} at the top level); "
+            "is --from right?"
+        )

@@ -1,0 +1,162 @@
+"""DeepSpeed ZeRO configs (JSON): stages 2/3, offload, hpZ, MiCS, leaf modules, dtypes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Rule, add_block_rule, set_key
+
+
+def _ds_stage(m: Migration, value: Any) -> str:
+    if value in (0, 1):
+        raise MigrationError(
+            f"{m.path}: ZeRO stage {value} does not shard parameters (stage 1 shards only optimizer state); "
+            "fsdp2lite shards parameters, gradients and optimizer state: stage 2 or 3 map to it"
+        )
+    if value not in (2, 3):
+        raise MigrationError(f"{m.path}: zero_optimization.stage must be 0-3, got {value!r}")
+    set_key(m, "reshard_after_forward", value == 3, "zero_optimization.stage")
+    return f"reshard_after_forward: {str(value == 3).lower()} (stage {value})"
+
+
+def _ds_offload(kind: str) -> Handler:
+    def handle(m: Migration, value: Any) -> str:
+        if value in ("none", None):
+            return "offload.device: none"
+        if value != "cpu":
+            raise MigrationError(
+                f"{m.path}: {kind}.device {value!r}: fsdp2lite offloads to cpu only (nvme has no equivalent)"
+            )
+        set_key(m, "offload.device", "cpu", f"zero_optimization.{kind}.device")
+        return "offload.device: cpu (parameters, gradients and optimizer state together)"
+
+    return handle
+
+
+def _ds_pin(m: Migration, value: Any) -> str:
+    set_key(m, "offload.pin_memory", bool(value), "zero_optimization.offload_*.pin_memory")
+    return f"offload.pin_memory: {str(bool(value)).lower()}"
+
+
+def _ds_hpz(m: Migration, value: Any) -> str:
+    if int(value) <= 1:
+        return "nothing (1 = no secondary partition)"
+    set_key(m, "reshard_after_forward", int(value), "zero_optimization.zero_hpz_partition_size")
+    return f"reshard_after_forward: {int(value)} (backward all-gathers over {int(value)} ranks)"
+
+
+def _ds_mics(m: Migration, value: Any) -> str:
+    if int(value) <= 0:
+        return "nothing (MiCS off)"
+    world = m.data.get("_world_size")
+    if world is None:
+        raise MigrationError(
+            f"{m.path}: zero_optimization.mics_shard_size {value} becomes an HSDP mesh (shard {value}, replicate "
+            "world/shard): pass --world-size so the replicate degree can be computed"
+        )
+    if world % int(value):
+        raise MigrationError(f"{m.path}: mics_shard_size {value} does not divide --world-size {world}")
+    set_key(m, "mesh", {"replicate": world // int(value), "shard": int(value)}, "zero_optimization.mics_shard_size")
+    return f"mesh: replicate {world // int(value)} x shard {int(value)}"
+
+
+def _ds_leaf(m: Migration, value: Any) -> str:
+    classes = value if isinstance(value, list) else [value]
+    add_block_rule(m, [str(c).rsplit(".", 1)[-1] for c in classes], "zero_optimization.leaf_module.classes")
+    return f"wrap: a group per {', '.join(map(str, classes))}"
+
+
+def _ds_dtype(dtype: str) -> Handler:
+    def handle(m: Migration, value: Any) -> str:
+        if not value:
+            return "nothing (disabled)"
+        set_key(m, "mixed_precision.param_dtype", dtype, f"{dtype}.enabled")
+        m.data["mixed_precision"].setdefault("reduce_dtype", "fp32")
+        return f"mixed_precision: param_dtype {dtype}, reduce_dtype fp32 (DeepSpeed keeps fp32 master gradients)"
+
+    return handle
+
+
+def _ds_comm_dtype(m: Migration, value: Any) -> str:
+    dtype = DTYPES.get(str(value))
+    if dtype is None:
+        raise MigrationError(f"{m.path}: communication_data_type {value!r}: expected one of {sorted(DTYPES)}")
+    set_key(m, "mixed_precision.reduce_dtype", dtype, "communication_data_type")
+    return f"mixed_precision.reduce_dtype: {dtype}"
+
+
+_BUCKETS = "bucket and buffer sizes: fsdp2lite reduces one flat buffer per group, sized by the group"
+DEEPSPEED: dict[str, Rule] = {
+    "zero_optimization.stage": _ds_stage,
+    "zero_optimization.offload_param.device": _ds_offload("offload_param"),
+    "zero_optimization.offload_optimizer.device": _ds_offload("offload_optimizer"),
+    "zero_optimization.offload_param.pin_memory": _ds_pin,
+    "zero_optimization.offload_optimizer.pin_memory": _ds_pin,
+    "zero_optimization.zero_hpz_partition_size": _ds_hpz,
+    "zero_optimization.mics_shard_size": _ds_mics,
+    "zero_optimization.leaf_module.classes": _ds_leaf,
+    "bf16.enabled": _ds_dtype("bf16"),
+    "fp16.enabled": _ds_dtype("fp16"),
+    "communication_data_type": _ds_comm_dtype,
+    "zero_optimization.reduce_bucket_size": ("dropped", _BUCKETS),
+    "zero_optimization.allgather_bucket_size": ("dropped", _BUCKETS),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "dropped",
+        "prefetch is per group (schedule.forward_prefetch_depth)",
+    ),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        "dropped",
+        "every parameter of a group is sharded; keep small ones whole with ignore:",
+    ),
+    "zero_optimization.stage3_max_live_parameters": (
+        "dropped",
+        "live parameters are bounded by the groups and the prefetch depth",
+    ),
+    "zero_optimization.stage3_max_reuse_distance": (
+        "dropped",
+        "groups are resharded per reshard_after_forward, not by reuse distance",
+    ),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "dropped",
+        "checkpoints are DCP (fl.save_checkpoint); fsdp2lite consolidate makes one file",
+    ),
+    "zero_optimization.overlap_comm": ("dropped", "communication always overlaps (side streams on CUDA)"),
+    "zero_optimization.contiguous_gradients": ("dropped", "gradients are reduced from one flat buffer per group"),
+    "zero_optimization.reduce_scatter": ("dropped", "gradients are always reduce-scattered"),
+    "zero_optimization.allgather_partitions": ("dropped", "parameters are always all-gathered per group"),
+    "zero_optimization.round_robin_gradients": ("dropped", "no equivalent needed: one reduce-scatter per group"),
+    "zero_optimization.sub_group_size": ("dropped", "the optimizer steps on the DTensor shards directly"),
+    "zero_optimization.load_from_fp32_weights": ("dropped", "the shards are the fp32 master weights"),
+    "zero_optimization.elastic_checkpoint": ("dropped", "DCP checkpoints reshard to any world size"),
+    "zero_optimization.ignore_unused_parameters": ("dropped", "see set_reduce_scatter_unused_params"),
+    "zero_optimization.offload_param.buffer_count": ("dropped", "nvme offload buffers: no nvme offload"),
+    "zero_optimization.offload_param.buffer_size": ("dropped", "nvme offload buffers: no nvme offload"),
+    "zero_optimization.offload_param.nvme_path": ("unsupported", "nvme offload"),
+    "zero_optimization.offload_optimizer.nvme_path": ("unsupported", "nvme offload"),
+    "zero_optimization.zero_quantized_weights": ("unsupported", "quantized all-gathers (ZeRO++ qwZ)"),
+    "zero_optimization.zero_quantized_gradients": ("unsupported", "quantized reduce-scatters (ZeRO++ qgZ)"),
+    "gradient_accumulation_steps": ("dropped", "use set_requires_gradient_sync(False) on all but the last microbatch"),
+    "fp16.loss_scale": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
+    "fp16.initial_scale_power": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
+    "fp16.loss_scale_window": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
+    "fp16.hysteresis": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
+    "fp16.min_loss_scale": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
+    "train_batch_size": ("dropped", LOOP_SETTING),
+    "train_micro_batch_size_per_gpu": ("dropped", LOOP_SETTING),
+    "gradient_clipping": ("dropped", "use torch.nn.utils.clip_grad_norm_ on the DTensor gradients"),
+    "steps_per_print": ("dropped", LOOP_SETTING),
+    "wall_clock_breakdown": ("dropped", "use fl.record_trace for the schedule"),
+    "zero_allow_untested_optimizer": ("dropped", "any torch optimizer steps the DTensor shards"),
+    "optimizer.*": ("dropped", "the optimizer is built in code from model.parameters()"),
+    "scheduler.*": ("dropped", LOOP_SETTING),
+    "activation_checkpointing.*": (
+        "unsupported",
+        "DeepSpeed's activation partitioning; use activation_checkpointing: true on a wrap rule",
+    ),
+    "tensorboard.*": ("dropped", "logging"),
+    "wandb.*": ("dropped", "logging"),
+    "csv_monitor.*": ("dropped", "logging"),
+    "flops_profiler.*": ("dropped", "profiling"),
+    "comms_logger.*": ("dropped", "use fl.record_trace and fsdp2lite trace summarize"),
+    "aio.*": ("dropped", "nvme I/O: no nvme offload"),
+}
