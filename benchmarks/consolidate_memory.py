@@ -4,7 +4,7 @@ What: 2 gloo ranks (spawned here) save a DCP checkpoint of about 350 MiB of fp32
 (one 64 MiB tensor, 18 of 16 MiB, small biases, an int64 buffer, a non-tensor "step"). Then each of
 these runs in a fresh subprocess, and its own peak resident memory (``ru_maxrss`` from ``os.wait4``)
 is recorded:
-    baseline             python -c "import fsdp2lite.consolidate"   (torch, DCP, rich imported)
+    baseline             python -c "import fsdp2lite.checkpoint.consolidate"   (torch, DCP, rich imported)
     pt                   fsdp2lite consolidate CKPT OUT.pt
     safetensors          fsdp2lite consolidate CKPT OUT.safetensors
     pt --dtype bf16      fsdp2lite consolidate CKPT OUT.pt --dtype bf16
@@ -124,7 +124,7 @@ def commands(ckpt: Path, work: Path) -> list[tuple[str, list[str], Path | None]]
         "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
     )
     return [
-        ("baseline", [python, "-c", "import fsdp2lite.cli, fsdp2lite.consolidate"], None),
+        ("baseline", [python, "-c", "import fsdp2lite.cli, fsdp2lite.checkpoint.consolidate"], None),
         ("pt", [*cli, str(work / "out.pt")], work / "out.pt"),
         ("safetensors", [*cli, str(work / "out.safetensors")], work / "out.safetensors"),
         ("pt --dtype bf16", [*cli, str(work / "bf16.pt"), "--dtype", "bf16"], work / "bf16.pt"),

@@ -8,11 +8,12 @@ fl.fully_shard(model)
 
 from __future__ import annotations
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import fully_shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .estimate import MemoryEstimate, estimate_memory
 from .mesh import init_mesh
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .trace import record_trace
 

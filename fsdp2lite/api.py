@@ -1,14 +1,14 @@
-"""``fully_shard`` and ``FSDPModule``: the public face of the runtime.
+"""``fully_shard``: the public entry to the runtime, and every check of its arguments.
 
 ``fully_shard(module)`` takes the parameters of ``module`` that no nested ``fully_shard`` call owns,
 shards each on dim 0 as a DTensor, makes them one communication group, registers the hooks and swaps
-the module's class to a subclass of ``FSDPModule`` in place. Call it bottom-up: blocks first, root last.
+the module's class to a subclass of ``FSDPModule`` (module.py) in place. Call it bottom-up: blocks first,
+root last.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -24,326 +24,12 @@ from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
+from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, cast_dtype
 
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
 M = TypeVar("M", nn.Module, list[nn.Module])
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
-
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixin swapped into a module's class by ``fully_shard``; its methods steer the runtime."""
-
-    _fsdp_state: FSDPState
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's group now (e.g. ahead of use); ``async_op`` returns a handle."""
-        group = self._fsdp_state.group
-        if group is not None:
-            group.reset_sharded_params()
-            group.unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free this module's unsharded parameters; the DTensor parameters are registered again."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Turn the gradient reduce-scatter off (grads accumulate unsharded) or back on."""
-        _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for group in self._groups(recurse):
-            group.requires_gradient_sync = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
-        """Free (True), keep (False) or shrink to k-rank shards (int k) the unsharded parameters
-        between forward and backward. An int creates process groups: call it on every rank."""
-        _check_reshard_after_forward(reshard_after_forward, allow_none=False)
-        groups = list(self._groups(recurse))
-        for group in groups:  # every group checked before any changes
-            group.check_reshard_after_forward(reshard_after_forward)
-        for group in groups:
-            group.set_reshard_after_forward(reshard_after_forward)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: skip (False) the all-reduce across replicas; reduce-scattered sums are kept and added
-        into the next all-reduce, so accumulating microbatches this way loses nothing."""
-        _check_bool("requires_all_reduce", requires_all_reduce)
-        for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Keep the unsharded parameters after backward (False), e.g. across accumulation steps.
-
-        With False the parameters stay unsharded until ``reshard()`` or a backward with True, so
-        reshard before ``optimizer.step()``: the step updates the shards, not the unsharded copies.
-        """
-        _check_bool("reshard_after_backward", reshard_after_backward)
-        for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' groups as soon as this module's group is unsharded in forward
-        (replaces the recorded-order prefetch for this module)."""
-        self._own_group("set_modules_to_forward_prefetch").forward_prefetch = _prefetch_groups(modules)
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' groups as soon as this module's group is unsharded in backward
-        (replaces the reverse-order prefetch for this module)."""
-        self._own_group("set_modules_to_backward_prefetch").backward_prefetch = _prefetch_groups(modules)
-
-    def set_forward_prefetch_depth(self, depth: int) -> None:
-        """On the root: how many groups forward all-gathers ahead in the recorded order (default 1 on
-        CPU, 0 on CUDA; see docs/design.md)."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"forward prefetch depth must be an int >= 0, got {depth!r}")
-        self._set_root_setting("forward_prefetch_depth", depth)
-
-    def set_overlap_reduce_scatter(self, overlap: bool) -> None:
-        """On the root: wait each reduce-scatter one group later, overlapping the next group's backward
-        (True; default on CUDA), or right after issuing it, saving a block's worth of memory (False;
-        default on CPU). See docs/design.md."""
-        _check_bool("overlap", overlap)
-        self._set_root_setting("overlap_reduce_scatter", overlap)
-
-    def set_late_backward_prefetch(self, late: bool) -> None:
-        """On the root: in backward, all-gather the next group once this group's reduce-scatter is
-        issued (True; default on CPU: one block-sized buffer less at the peak) or at this group's
-        pre-backward, overlapping its backward compute (False; default on CUDA). See docs/design.md."""
-        _check_bool("late", late)
-        self._set_root_setting("late_backward_prefetch", late)
-
-    def _set_root_setting(self, name: str, value: object) -> None:
-        """Store a root setting on this state (read at lazy init) and on its live context, if any."""
-        state = self._fsdp_state
-        if state.is_root is False:
-            raise ValueError(f"set_{name} is a root setting; {type(self).__name__} is not the root")
-        state.schedule_overrides[name] = value
-        if state.root_context is not None:
-            setattr(state.root_context, name, value)
-
-    def _set_step_setting(self, name: str, value: object) -> None:
-        """A RootContext field any module may set (as torch's shared state context): on the live context,
-        or, before lazy init, kept on this state for lazy init to hand to the root's context."""
-        state = self._fsdp_state
-        if state.root_context is not None:
-            setattr(state.root_context, name, value)
-        else:
-            state.step_settings[name] = value
-
-    def _own_group(self, method: str) -> FSDPParamGroup:
-        group = self._fsdp_state.group
-        if group is None:
-            raise ValueError(f"{method}: {type(self).__name__} owns no parameters, so it has no group to prefetch from")
-        return group
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the coming backward is the last of this step (default True). Microbatching with
-        gradient sync on: set False before all but the last microbatch's backward; their end of
-        backward leaves reductions in flight (overlapping the next microbatch's forward) instead of
-        waiting for them. The sharded gradients are complete after a backward with True. Applies to the
-        whole model under the root (lazy init decides the root; before it, set it on the root)."""
-        _check_bool("is_last_backward", is_last_backward)
-        self._set_step_setting("is_last_backward", is_last_backward)
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """False: never all-gather this module's group in backward (nor prefetch it), for a group whose
-        backward needs no parameter values (an embedding: its weight gradient needs only the indices).
-        Its gradients are still reduced. Wrong for a group that does need them (e.g. a Linear)."""
-        _check_bool("unshard_in_backward", unshard_in_backward)
-        for group in self._groups(recurse=False):
-            group.unshard_in_backward = unshard_in_backward
-
-    def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
-    ) -> None:
-        """Call ``hook(reduced)`` once per backward on this module's group's reduced gradient: the
-        flat reduce-scatter output (HSDP: the all-reduce output), summed over the data-parallel ranks
-        and not yet divided; it may change it in place (e.g. a custom replica all-reduce). ``stream``
-        (CUDA, not with HSDP): run the hook there instead of on the compute stream."""
-        if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook takes a callable hook(tensor) -> None, got {type(hook).__name__}")
-        group = self._own_group("set_all_reduce_hook")
-        if stream is not None:
-            if not isinstance(stream, torch.cuda.Stream):
-                raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
-            if group.mesh_info.device.type != "cuda":
-                raise ValueError(
-                    "set_all_reduce_hook(stream=...) needs a CUDA mesh; this group is on a "
-                    f"'{group.mesh_info.device.type}' mesh: pass no stream"
-                )
-            if group.mesh_info.replicate_group is not None:
-                raise ValueError(
-                    "set_all_reduce_hook(stream=...) cannot be set with HSDP: the hook runs after the replica "
-                    "all-reduce, on its stream"
-                )
-        group.all_reduce_hook = hook
-        group.all_reduce_hook_stream = stream
-
-    def set_post_optim_event(self, event: torch.Event) -> None:
-        """CUDA: the next root pre-forward's all-gathers wait on ``event`` (recorded after
-        ``optimizer.step()``) instead of on everything queued on the compute stream, so unrelated work
-        queued after the step does not delay them. Used once, then dropped: set a new event each step."""
-        if not isinstance(event, torch.Event | torch.cuda.Event):
-            raise TypeError(
-                f"set_post_optim_event takes a torch.Event (or torch.cuda.Event), got {type(event).__name__}"
-            )
-        group = self._own_group("set_post_optim_event")
-        if group.mesh_info.device.type != "cuda":
-            raise ValueError(
-                f"set_post_optim_event orders CUDA streams; this model is on a '{group.mesh_info.device.type}' mesh, "
-                "where collectives already follow the optimizer step in program order: drop the call"
-            )
-        self._set_step_setting("post_optim_event", event)
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Reduce zeros for parameters of a group that got no gradient in a backward, so ranks that used
-        different parameters of one group (experts of a mixture-of-experts layer, conditional branches)
-        lay out the same reduce-scatter and their gradients average as with DDP's
-        ``find_unused_parameters``. Default False: a parameter without a gradient is left out, which
-        is only right when every rank leaves out the same ones. The group itself must run forward and
-        backward on every rank: its reduce-scatter is issued when its backward ends, in the same order
-        everywhere."""
-        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = reduce_scatter_unused_params
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
-        if isinstance(factor, bool) or not isinstance(factor, int | float):
-            raise TypeError(f"gradient divide factor must be a number, got {factor!r} ({type(factor).__name__})")
-        if not 0 < factor < math.inf:
-            raise ValueError(f"gradient divide factor must be a positive, finite number, got {factor!r}")
-        for group in self._groups(recurse=False):
-            group.gradient_divide_factor = float(factor)
-
-    def reset_iter_state(self) -> None:
-        """Recover after an exception mid-step: finish in-flight work, reshard, clear step state.
-
-        Call it on the root. After an exception in backward the partial unsharded gradients are
-        dropped (zero the sharded ones with the optimizer and redo the step); after one in
-        forward, gradients accumulated with sync off are kept.
-        """
-        context = self._fsdp_state.root_context
-        if context is None:
-            return  # never ran forward: nothing to reset
-        context.reset()
-
-    def _groups(self, recurse: bool) -> Iterator[FSDPParamGroup]:
-        modules: Iterable[nn.Module] = self.modules() if recurse else (self,)  # type: ignore[attr-defined,assignment]
-        seen: set[int] = set()
-        for module in modules:
-            state = getattr(module, "_fsdp_state", None)
-            if state is None or state.group is None or id(state) in seen:
-                continue
-            seen.add(id(state))
-            yield state.group
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """``nn.Module.load_state_dict``, all or nothing: keys and shapes are checked against the model
-        first, so a state dict that does not fit raises (RuntimeError, as torch's) before any value is
-        copied, naming every offending key."""
-        _check_state_dict_fits(self, state_dict, strict)  # type: ignore[arg-type]
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        """After ``to``/``to_empty``/``cuda``, point the DTensors back at padded shards."""
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reset_sharded_params()
-        return result
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run ``module.<method_name>`` (e.g. ``generate``) between the pre- and post-forward work, as
-    ``forward`` is: its group is all-gathered before the method and resharded after it (per
-    ``reshard_after_forward``), and forwards the method calls on the module run inside that one pass.
-    A module that is not an ``FSDPModule`` is left alone (like torch's, so one script serves both)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"register_fsdp_forward_method takes an nn.Module, got {type(module).__name__}")
-    if not isinstance(method_name, str):
-        raise TypeError(f"method_name must be a str, got {type(method_name).__name__}")
-    if not isinstance(module, FSDPModule):
-        return
-    method = getattr(module, method_name, None)
-    if method is None or not callable(method):
-        methods = sorted(n for n in dir(type(module)) if not n.startswith("_") and callable(getattr(module, n, None)))
-        hint = ", ".join(m for m in methods if m in ("generate", "forward", "encode", "decode")) or "forward"
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r} (e.g. {hint})")
-    state = module._fsdp_state
-
-    @functools.wraps(method)
-    def forward_method(*args: Any, **kwargs: Any) -> Any:
-        return state.run_forward_method(module, method, args, kwargs)
-
-    setattr(module, method_name, forward_method)
-
-
-def _check_state_dict_fits(module: nn.Module, state_dict: Any, strict: bool) -> None:
-    """What ``load_state_dict`` would reject, found before it copies anything: missing and unexpected
-    keys (``strict``) and shape mismatches (global shapes: a DTensor or a full tensor fits)."""
-    from collections.abc import Mapping
-
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"load_state_dict expects a mapping of names to tensors, got {type(state_dict).__name__}")
-    expected: dict[str, torch.Size | None] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, param in sub._parameters.items():
-            if param is not None:
-                expected[dot + name] = param.shape
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                expected[dot + name] = buffer.shape
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            expected[dot + "_extra_state"] = None
-    problems = []
-    if strict:
-        missing = [key for key in expected if key not in state_dict]
-        unexpected = [key for key in state_dict if key not in expected]
-        if missing:
-            problems.append(f"Missing key(s) in state_dict: {', '.join(missing)}")
-        if unexpected:
-            problems.append(f"Unexpected key(s) in state_dict: {', '.join(unexpected)}")
-    for key, shape in expected.items():
-        value = state_dict.get(key)
-        if shape is not None and isinstance(value, torch.Tensor) and value.shape != shape:
-            problems.append(
-                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                f"the shape in current model is {tuple(shape)}"
-            )
-    if problems:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(module).__name__} (nothing was loaded):\n\t"
-            + "\n\t".join(problems)
-        )
-
-
-def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:
-    if not isinstance(modules, list | tuple):
-        raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
-    groups = []
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise TypeError(f"prefetch targets must be modules fully_shard was applied to, got {type(module).__name__}")
-        if module._fsdp_state.group is None:
-            raise ValueError(f"{type(module).__name__} owns no parameters: nothing to prefetch")
-        groups.append(module._fsdp_state.group)
-    return groups
 
 
 @functools.cache
@@ -382,7 +68,7 @@ def fully_shard(
         ignored_params: parameters left unsharded and unreduced.
     """
     modules = _check_modules(module)
-    _check_reshard_after_forward(reshard_after_forward)
+    check_reshard_after_forward(reshard_after_forward)
     mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy)
     ignored = _check_ignored(ignored_params)
     owned = _collect_params(modules, ignored)
@@ -505,20 +191,6 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
                 "never run. Shard its children instead, e.g. `for block in model.layers: fully_shard(block)`"
             )
     return modules
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-def _check_reshard_after_forward(value: Any, allow_none: bool = True) -> None:
-    if (value is None and allow_none) or isinstance(value, bool | int):
-        return
-    raise TypeError(
-        "reshard_after_forward must be True, False, an int k (reshard to groups of k ranks)"
-        f"{' or None (root False, others True)' if allow_none else ''}, got {value!r} ({type(value).__name__})"
-    )
 
 
 def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:

@@ -38,7 +38,7 @@ __all__ = [
 @contextmanager
 def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
     """Record the schedule of ``model`` (a root FSDPModule) while the block runs."""
-    from .api import FSDPModule
+    from .module import FSDPModule
 
     if not isinstance(model, FSDPModule):
         raise TypeError(f"record_trace needs a module fully_shard was applied to, got {type(model).__name__}")

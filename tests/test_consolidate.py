@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fsdp2lite.cli import main
-from fsdp2lite.consolidate import TensorEntry, write_output
+from fsdp2lite.checkpoint.consolidate import TensorEntry, write_output
 
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 

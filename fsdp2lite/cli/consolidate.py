@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..consolidate import CAST_DTYPES, FORMATS, CheckpointError, Plan, TensorEntry, consolidate
+from ..checkpoint.consolidate import CAST_DTYPES, FORMATS, CheckpointError, Plan, TensorEntry, consolidate
 
 DESCRIPTION = (
     "Turn a torch.distributed.checkpoint directory (saved from any number of ranks) into one .pt or "

@@ -21,8 +21,9 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     problem), and if sharding still fails part-way, every module is put back as it was.
     """
     from .._snapshot import ModuleSnapshot
-    from ..api import FSDPModule, fully_shard  # at call time: tests replace fully_shard to fail part-way
+    from ..api import fully_shard  # at call time: tests replace fully_shard to fail part-way
     from ..mesh import init_mesh, mesh_info_for
+    from ..module import FSDPModule
 
     _check_apply_arguments(model, config, mesh)
     sharded = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]

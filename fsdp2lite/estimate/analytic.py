@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import FSDPConfig, checkpoint_forward, plan_config
+from ..config import FSDPConfig, Plan, checkpoint_forward, plan_config
 from ..policies import cast_dtype
 from .common import (
     MemoryEstimate,
@@ -56,19 +56,7 @@ def analytic_estimate(
     config = config or default_config(model)
     _, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
-    sharded: list[int] = []
-    unsharded: list[int] = []
-    reduced: list[int] = []
-    for group, params in zip(plan.groups, plan.params):
-        policy = group.policy.mixed_precision
-        sharded.append(sum(sharded_nbytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
-        dims = [plan.shard_dims.get(n, 0) for n in params]
-        padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
-        unsharded.append(
-            sum(n * element_size(cast_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded))
-        )
-        reduce_dtype = policy.reduce_dtype or policy.param_dtype
-        reduced.append(sum(n * element_size(cast_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
+    sharded, unsharded, reduced = _group_bytes(plan, shard)
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     terms = {"S": sum(sharded) + ignored}
     tensors = sum(len(params) for params in plan.params)
@@ -139,6 +127,25 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
         + t["A_r"],
         "optimizer": 2 * t["S"] + t["O"] + t["T"],
     }
+
+
+def _group_bytes(plan: Plan, shard: int) -> tuple[list[int], list[int], list[int]]:
+    """Per group: its sharded bytes, its unsharded bytes in param_dtype and its reduce-scatter input bytes
+    in reduce_dtype (both as the all-gather lays them out: padded to equal shards)."""
+    sharded: list[int] = []
+    unsharded: list[int] = []
+    reduced: list[int] = []
+    for group, params in zip(plan.groups, plan.params):
+        policy = group.policy.mixed_precision
+        sharded.append(sum(sharded_nbytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
+        dims = [plan.shard_dims.get(n, 0) for n in params]
+        padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
+        unsharded.append(
+            sum(n * element_size(cast_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded))
+        )
+        reduce_dtype = policy.reduce_dtype or policy.param_dtype
+        reduced.append(sum(n * element_size(cast_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
+    return sharded, unsharded, reduced
 
 
 def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:

@@ -68,7 +68,7 @@ def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) ->
     """The target device's schedule defaults where the config says ``auto``, and its reduction: gloo's
     in-place all-reduce on ``cpu``, a native reduce-scatter on ``cuda``."""
     from .._runtime.state import schedule_defaults
-    from ..api import FSDPModule
+    from ..module import FSDPModule
 
     defaults = schedule_defaults(on_cuda=device == "cuda")
     for key, setter in _SCHEDULE_SETTERS:
@@ -177,7 +177,7 @@ def _peak_group(tracker: Any, model: nn.Module, total: int) -> str | None:
     outside every group (the loss)."""
     from torch.distributed._tools.mem_tracker import _ModState
 
-    from ..api import FSDPModule
+    from ..module import FSDPModule
 
     names = {id(m): name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     best: tuple[int, str] | None = None
