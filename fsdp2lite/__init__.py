@@ -13,7 +13,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .estimate import MemoryEstimate, estimate_memory
 from .mesh import init_mesh
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .trace import record_trace
 
@@ -39,4 +39,5 @@ __all__ = [
     "record_trace",
     "register_fsdp_forward_method",
     "save_checkpoint",
+    "share_comm_ctx",
 ]

@@ -25,7 +25,7 @@ from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, cast_dtype
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, reduce_dtype_problem
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -47,6 +47,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> M:
     """Shard ``module`` (or a list of modules, as one group) over ``mesh``; returns it, now an FSDPModule.
 
@@ -66,7 +67,9 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters and gradients on the host
             (the optimizer steps there); None or ``OffloadPolicy()``: no offload.
         ignored_params: parameters left unsharded and unreduced.
+        dp_mesh_dims: torch's SPMD form; not supported: anything but None raises, naming the sub-mesh to pass.
     """
+    _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
     check_reshard_after_forward(reshard_after_forward)
     mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy)
@@ -77,10 +80,7 @@ def fully_shard(
     _check_group_dtypes(owned, policy)
     _check_tp_params(owned, mesh_info)
     dims = _shard_dims(shard_placement_fn, owned)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        check_post_forward_size(reshard_after_forward, mesh_info.shard_size)
-        if 1 < reshard_after_forward < mesh_info.shard_size:
-            check_post_forward_dims(reshard_after_forward, [(fqn, dim) for (fqn, _, _), dim in zip(owned, dims)])
+    _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
     snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
     try:
         params = tuple(
@@ -96,7 +96,43 @@ def fully_shard(
     except BaseException:
         snapshot.restore()
         raise
+    _register_composable(modules)
     return module
+
+
+def _register_composable(modules: tuple[nn.Module, ...]) -> None:
+    """Mark ``modules`` as managed by ``fully_shard`` in torch's composable-API registry (the mark
+    torch's own ``fully_shard`` leaves), so torch's ``replicate()`` leaves their parameters to us
+    (reducing them twice otherwise) and refuses to wrap them. Only the mark: no torch FSDP code runs."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+
+    item = RegistryItem()  # one per call, shared by its modules, as torch's contract does
+    for module in modules:
+        registry = module.__dict__.setdefault(REGISTRY_KEY, {})
+        registry.setdefault("fully_shard", item)
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    """``fully_shard.state(module)``: the fsdp2lite state of a module ``fully_shard`` was applied to
+    (torch's gives its own FSDPState; ours has the group, the hooks and, after the first forward, the
+    root's shared context)."""
+    state = module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"fully_shard.state: {type(module).__name__} is not sharded (fully_shard was not applied to it)"
+        )
+    return state
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
+
+
+def _check_post_forward(value: Any, info: MeshInfo, owned: list[Any], dims: list[int]) -> None:
+    """An int ``reshard_after_forward`` must divide the shard size and keep dim-0 chunks."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        check_post_forward_size(value, info.shard_size)
+        if 1 < value < info.shard_size:
+            check_post_forward_dims(value, [(fqn, dim) for (fqn, _, _), dim in zip(owned, dims)])
 
 
 def _shard_dims(fn: Any, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> list[int]:
@@ -165,6 +201,20 @@ def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
 
 
 # ---- input checks: each raises naming the offending value and what is allowed -------------------
+def _check_dp_mesh_dims(dp_mesh_dims: Any) -> None:
+    if dp_mesh_dims is None:
+        return
+    shard = getattr(dp_mesh_dims, "shard", None)
+    replicate = getattr(dp_mesh_dims, "replicate", None)
+    names = [n for part in (replicate, shard) if part for n in ((part,) if isinstance(part, str) else part)]
+    sub = f"mesh[{', '.join(repr(n) for n in names)}]" if names else "mesh['dp']"
+    raise NotImplementedError(
+        f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): the SPMD form (parameters as DTensors on the full mesh) "
+        f"is not supported by fsdp2lite; pass the data-parallel sub-mesh instead, mesh={sub} (2D: replicate, "
+        "shard), with tensor-parallel parameters on their own sub-mesh (e.g. mesh['tp'])"
+    )
+
+
 def _check_modules(module: Any) -> tuple[nn.Module, ...]:
     modules = tuple(module) if isinstance(module, list | tuple) else (module,)
     if not modules:
@@ -223,13 +273,14 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
 def _check_group_dtypes(
     owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], policy: ParamPolicy
 ) -> None:
-    """One group is one flat all-gather buffer: its parameters must gather in one dtype."""
-    gathered = {fqn: cast_dtype(p, policy.param_dtype) for fqn, p, _ in owned}
-    if len(set(gathered.values())) > 1:
-        listing = ", ".join(f"{fqn}: {dtype}" for fqn, dtype in gathered.items())
+    """One reduce-scatter per group: its trainable parameters must reduce in one dtype (frozen ones of
+    other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather])."""
+    problem = reduce_dtype_problem({fqn: p for fqn, p, _ in owned}, policy.param_dtype, policy.reduce_dtype)
+    if problem is not None:
+        owner = type(owned[0][2][0][0]).__name__
         raise ValueError(
-            f"parameters of one fully_shard call must all-gather in one dtype, got {listing}; "
-            "pass mp_policy=MixedPrecisionPolicy(param_dtype=...) or shard them in separate calls"
+            f"fully_shard({owner}): {problem}; pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (or "
+            "reduce_dtype=...), freeze the odd ones (requires_grad_(False)), or shard them in separate calls"
         )
 
 

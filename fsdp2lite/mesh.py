@@ -26,9 +26,10 @@ def require_default_group(caller: str) -> None:
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1D mesh over the default process group, named ``("shard",)``."""
+    """A 1D mesh over the default process group, unnamed: equal to torch's default and to
+    ``init_device_mesh(device_type, (world_size,))``, so ``param.device_mesh == mesh`` holds."""
     require_default_group("fully_shard(mesh=None)")
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def backend_device_type(preferred: str | None = None) -> str:
@@ -133,19 +134,15 @@ class MeshInfo:
 
 
 def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
-    """Describe ``mesh`` for the runtime: 1D = FSDP; 2D ordered (replicate, shard) = HSDP."""
+    """Describe ``mesh`` for the runtime: 1D = FSDP; 2D = HSDP, dim 0 replicating and dim 1 sharding
+    whatever the axes are named (as torch's: torchtitan names them ``dp_replicate``, ``dp_shard``)."""
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard takes a 1D mesh (shard) or a 2D mesh (replicate, shard); got a {mesh.ndim}D mesh "
-            f"of shape {tuple(mesh.shape)}"
+            f"of shape {tuple(mesh.shape)}{f' with axes {tuple(mesh.mesh_dim_names)}' if mesh.mesh_dim_names else ''}"
+            ": pass the data-parallel sub-mesh, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
         )
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 2 and names is not None and tuple(names) != ("replicate", "shard"):
-        raise ValueError(
-            f"a 2D mesh must be ordered (replicate, shard); got axes {tuple(names)}. Build it with "
-            "fsdp2lite.init_mesh(replicate=R, shard=S) or name its axes ('replicate', 'shard')"
-        )
-    shard_axis = mesh.ndim - 1  # the axis order is checked above: (replicate, shard) or (shard,)
+    shard_axis = mesh.ndim - 1  # (shard,) or (replicate, shard), by position
     return MeshInfo(
         mesh=mesh,
         shard_group=mesh.get_group(shard_axis),

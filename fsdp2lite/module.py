@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ._runtime.group import FSDPParamGroup
-from ._runtime.state import FSDPState
+from ._runtime.state import FSDPState, SharedComm
 
 
 class UnshardHandle:
@@ -32,6 +32,14 @@ class FSDPModule:
     """Mixin swapped into a module's class by ``fully_shard``; its methods steer the runtime."""
 
     _fsdp_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A new instance made from an FSDP class (``nn.Sequential`` slicing calls ``self.__class__(...)``)
+        is of the original class, unsharded, as torch's: the state belongs to the sharded instance only."""
+        original = cls.__mro__[2]  # FSDP<Name>(FSDPModule, <Name>): <Name>
+        instance = original.__new__(original)
+        instance.__init__(*args, **kwargs)
+        return instance
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group now (e.g. ahead of use); ``async_op`` returns a handle."""
@@ -159,8 +167,8 @@ class FSDPModule:
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
     ) -> None:
         """Call ``hook(reduced)`` once per backward on this module's group's reduced gradient: the
-        flat reduce-scatter output (HSDP: the all-reduce output), summed over the data-parallel ranks
-        and not yet divided; it may change it in place (e.g. a custom replica all-reduce). ``stream``
+        flat reduce-scatter output (HSDP: the all-reduce output) as it will be stored, averaged over the
+        data-parallel ranks (as torch's); it may change it in place (e.g. a custom replica all-reduce). ``stream``
         (CUDA, not with HSDP): run the hook there instead of on the compute stream."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook takes a callable hook(tensor) -> None, got {type(hook).__name__}")
@@ -218,6 +226,66 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.gradient_divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's earlier name for ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for torch compatibility, and always in effect: fsdp2lite's collectives reduce with
+        SUM only and divide afterwards (one ``div_`` of the reduced output, before any all-reduce hook)."""
+        check_bool("enable", enable)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatter input buffers may be alive at once when reduce-scatters overlap backward
+        compute (``set_overlap_reduce_scatter``; on by default on CUDA): before a group allocates its input,
+        the oldest reduce-scatters in flight are finished until fewer than this many remain. 1 (default)
+        finishes the previous one first; more buffers trade memory (a block's gradients each) for fewer
+        waits when communication is slower than the compute that hides it."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Run this module's all-gather through ``comm``, torch's ``AllGather`` protocol:
+        ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
+        ``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers (returns a Work or None)."""
+        _check_custom_comm("set_custom_all_gather", comm)
+        self._own_group("set_custom_all_gather").custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Run this module's reduce-scatter through ``comm``, torch's ``ReduceScatter`` protocol:
+        ``comm.allocate(size, dtype=, device=)`` makes the input and output buffers and
+        ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces (op is always SUM)."""
+        _check_custom_comm("set_custom_reduce_scatter", comm)
+        self._own_group("set_custom_reduce_scatter").custom_reduce_scatter = comm
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own over the same ranks (True), so it can progress while
+        an all-gather runs on the shard group, or back on the shard group (False). Collective: call it on
+        every rank of the mesh."""
+        check_bool("enable", enable)
+        created: dict[tuple[int, ...], Any] = {}
+        for group in self._groups(recurse):
+            group.set_separate_reduce_scatter_group(enable, created)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """torch: take communication buffers from the process group's own allocator (NCCL zero-copy).
+        fsdp2lite allocates them with the device's allocator: False is accepted; True raises (see the
+        README's differences from torch's fully_shard)."""
+        check_bool("enable", enable)
+        if enable:
+            raise NotImplementedError(_unsupported_comm_memory("set_allocate_memory_from_process_group_for_comm", self))
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """torch: allocate communication buffers in symmetric memory (NCCL). Not in fsdp2lite: raises,
+        naming what the mesh is (see the README's differences from torch's fully_shard)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: backend must be 'NCCL', got {backend!r}")
+        raise NotImplementedError(_unsupported_comm_memory("set_symm_mem_for_comm", self))
+
     def reset_iter_state(self) -> None:
         """Recover after an exception mid-step: finish in-flight work, reshard, clear step state.
 
@@ -253,6 +321,37 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reset_sharded_params()
         return result
+
+
+def _check_custom_comm(method: str, comm: Any) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} takes an object with allocate(size, *, dtype, device) and __call__ (torch's "
+            f"torch.distributed.fsdp AllGather/ReduceScatter protocol), got {type(comm).__name__}"
+        )
+
+
+def _unsupported_comm_memory(method: str, module: Any) -> str:
+    groups = list(module._groups(recurse=False))
+    device = groups[0].mesh_info.device.type if groups else "unknown"
+    return (
+        f"{method}: fsdp2lite allocates communication buffers with the device's own allocator; process-group "
+        f"and symmetric-memory allocation (CUDA/NCCL only) are not implemented. This module's mesh is '{device}'"
+    )
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. pipeline stages' model chunks) share one communication context: on CUDA
+    the same side streams (no memory fragmented across stream pools); the trace recorder of the first.
+    Call it before their first forward."""
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"share_comm_ctx takes a list of FSDPModules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx takes FSDPModules (fully_shard applied), got {type(module).__name__}")
+    shared = SharedComm()
+    for module in modules:
+        module._fsdp_state.shared_comm = shared
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

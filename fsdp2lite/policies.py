@@ -68,6 +68,27 @@ class MixedPrecisionPolicy(BaseModel):
     )
     cast_forward_inputs: bool = Field(True, description="cast floating-point forward inputs to param_dtype.")
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Fields by keyword, or positionally in torch's dataclass order
+        (``MixedPrecisionPolicy(torch.bfloat16, torch.float32, None, True)``)."""
+        super().__init__(**_positional("MixedPrecisionPolicy", _MP_FIELDS, args, kwargs))
+
+
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def _positional(name: str, fields: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional arguments as keywords, in ``fields`` order (torch's policies are dataclasses)."""
+    if len(args) > len(fields):
+        raise TypeError(
+            f"{name} takes at most {len(fields)} positional arguments ({', '.join(fields)}), got {len(args)}"
+        )
+    for field_name, value in zip(fields, args):
+        if field_name in kwargs:
+            raise TypeError(f"{name} got {field_name} both by position and by keyword")
+        kwargs[field_name] = value
+    return kwargs
+
 
 class OffloadPolicy(BaseModel):
     """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
@@ -83,8 +104,36 @@ class CPUOffloadPolicy(OffloadPolicy):
         description="pin the host shards so host-to-device copies are asynchronous (needs CUDA).",
     )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``pin_memory`` by keyword or positionally, as torch's dataclass."""
+        super().__init__(**_positional("CPUOffloadPolicy", ("pin_memory",), args, kwargs))
+
 
 def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a policy casts ``param`` to: ``dtype`` for floating-point parameters (None keeps theirs),
     integer and bool parameters always keep their own."""
     return dtype if dtype is not None and param.is_floating_point() else param.dtype
+
+
+def reduce_dtype_problem(
+    named_params: dict[str, torch.Tensor], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> str | None:
+    """Why these parameters (of one group) cannot be reduce-scattered together, or None. A group's
+    gradients are one reduce-scatter in one dtype, so its *trainable* parameters must reduce in one
+    dtype; frozen ones of other dtypes are fine (they are all-gathered, never reduced). The message
+    lists the parameters of each dtype, fewest first."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, param in named_params.items():
+        if param.requires_grad:
+            dtype = cast_dtype(param, reduce_dtype) if reduce_dtype is not None else cast_dtype(param, param_dtype)
+            by_dtype.setdefault(dtype, []).append(name)
+    if len(by_dtype) < 2:
+        return None
+    parts = []
+    for dtype, names in sorted(by_dtype.items(), key=lambda item: len(item[1])):
+        shown = ", ".join(names[:6]) + (f" (+{len(names) - 6} more)" if len(names) > 6 else "")
+        parts.append(f"{str(dtype).removeprefix('torch.')}: {shown}")
+    return (
+        f"its trainable parameters reduce their gradients in {len(by_dtype)} dtypes ({'; '.join(parts)}), but a "
+        "group's gradients are one reduce-scatter in one dtype"
+    )

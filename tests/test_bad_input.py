@@ -237,7 +237,7 @@ FULLY_SHARD = [
         "mixed dtypes",
         lambda: (Mixed(), fl.fully_shard),
         ValueError,
-        r"one dtype, got a.weight: torch.float32.*b.weight: torch.bfloat16.*param_dtype",
+        r"trainable parameters reduce their gradients in 2 dtypes \(float32: a.weight.*bfloat16: b.weight.*param_dtype",
     ),
     Case(
         "tie across groups",
@@ -659,7 +659,7 @@ APPLY = [
         "root mixes dtypes",
         lambda: (Mixed(), lambda m: fl.apply_config(m, config({}))),
         fl.ConfigError,
-        r"<root>: its parameters have several dtypes \(bfloat16, float32\).*param_dtype",
+        r"<root>: its trainable parameters reduce their gradients in 2 dtypes \(float32: a.weight, a.bias; bfloat16: b.weight.*param_dtype",
     ),
     Case(
         "rule matches nothing",

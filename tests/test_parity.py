@@ -152,7 +152,7 @@ def scenario_device_schedule_variants(rank: int, ws: int) -> None:
         train_and_compare(UnevenMLP(), shard_blocks(None), mlp_batch, mlp_loss, rank, label="native reduce-scatter")
     finally:
         group_module.reduces_in_place, collectives._native_reduce_scatter = original, native
-    assert calls, "the native reduce-scatter path never ran"
+    assert calls or ws == 1, "the native reduce-scatter path never ran"  # one rank sends nothing
 
     def cuda_schedule(model: nn.Module) -> None:
         shard_blocks(None)(model)

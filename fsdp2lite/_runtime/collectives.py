@@ -37,6 +37,20 @@ exactly the padded-shard layout); the sharded gradients are ``as_strided`` views
 wrapped in DTensors with a spec built at ``fully_shard`` time. The views and specs that do not change
 between steps are made once (``FSDPParam.flat_shard``, ``all_gather_view``, ``sharded_spec``).
 
+[Note: byte all-gather]
+A group whose parameters all-gather in several dtypes (a frozen bf16 or int8 weight beside fp32 ones,
+as torch's fully_shard allows) is still one collective: its buffer is uint8, each parameter's slot
+holds its padded shard's bytes in its own all-gather dtype, and the copy-out writes each column block
+into the parameter's storage viewed as bytes. Rank-major as above, with bytes for elements:
+
+    a: 2 fp32 rows of 1 (8 bytes per rank), c: 2 int8 rows of 1 (2 bytes per rank), 2 ranks
+    rank0 input [a0 (4 bytes) a1 (4) | c0 c1], rank1 [a2 (4) a3 (4) | c2 c3]
+    all-gather (uint8) -> [rank0's 10 bytes | rank1's 10 bytes]; copy-out: a's 8-byte columns -> a, c's 2 -> c
+
+Nothing is ever viewed across dtypes in the shared buffer, so no alignment is needed. Only the
+trainable parameters are reduced, and they must reduce in one dtype (checked at ``fully_shard`` and at
+lazy init: ``policies.reduce_dtype_problem``). A group of one dtype gathers as before, in that dtype.
+
 [Note: gloo reduce-scatter]
 gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter_tensor`` as a clone of
 the whole input, an all-reduce of the clone, and a copy of this rank's chunk out of it when waited on;
@@ -57,7 +71,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -151,6 +165,7 @@ def issue_all_gather(
     group_rank: int,
     dtype: torch.dtype,
     comm: Comm,
+    custom: Any = None,
 ) -> AllGatherResult:
     """Copy ``sources`` (this rank's flat padded shards, ``numels`` elements each) into this rank's slot
     of one flat buffer and start one in-place all-gather over ``group``.
@@ -160,7 +175,11 @@ def issue_all_gather(
     """
     group_numel = sum(numels)
     with comm.on("all_gather_copy_in"):
-        all_gather_output = torch.empty(group_size * group_numel, dtype=dtype, device=comm.device)
+        size = group_size * group_numel
+        if custom is not None:  # set_custom_all_gather: the user's allocator
+            all_gather_output = custom.allocate((size,), dtype=dtype, device=comm.device)
+        else:
+            all_gather_output = torch.empty(size, dtype=dtype, device=comm.device)
         all_gather_input = all_gather_output.narrow(0, group_rank * group_numel, group_numel)  # (group_numel,)
         if sources[0].device == all_gather_input.device:  # copy-in, cast to the all-gather dtype: one op
             torch.cat(sources, out=all_gather_input)
@@ -168,8 +187,26 @@ def issue_all_gather(
             torch._foreach_copy_(torch.split(all_gather_input, numels), sources, non_blocking=True)
     copied_in = comm.record("all_gather_copy_in")
     with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
-        work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
+        work = None
+        if custom is not None:
+            work = custom(
+                output_tensor=all_gather_output, input_tensor=all_gather_input, group=group, async_op=comm.async_work
+            )
+        elif group_size > 1:  # one rank: the copy-in already wrote the whole output, as torch sends nothing
+            work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
     return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
+
+
+def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], list[int]]:
+    """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
+    the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather])."""
+    sources = []
+    for param in params:
+        flat = param.flat_shard
+        if flat.dtype != param.param_dtype:
+            flat = flat.to(param.param_dtype)  # mixed precision: cast first, the buffer holds bytes
+        sources.append(flat.view(torch.uint8))
+    return sources, [source.numel() for source in sources]
 
 
 def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
@@ -179,15 +216,26 @@ def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
 
 
 def copy_out_all_gather(
-    all_gather_output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, numels: list[int]
+    all_gather_output: torch.Tensor,
+    params: tuple[FSDPParam, ...],
+    group_size: int,
+    numels: list[int],
+    as_bytes: bool = False,
 ) -> None:
     """Copy each parameter's column block of the rank-major output into its padded unsharded storage.
 
     ``all_gather_output`` viewed ``(group_size, group_numel)``: row r is rank r's slot, parameter i
     its columns ``[offset_i, offset_i + numels[i])``; one op writes every parameter's
     ``(group_size, numels[i])`` view, whose first ``numel`` elements are the parameter ([Note: hot path]).
+    ``as_bytes``: the output is uint8 and ``numels`` are bytes; each target is viewed as bytes too.
     """
-    outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
+    if as_bytes:
+        outputs = [
+            param.copy_out_view(group_size, numel // param.param_dtype.itemsize).view(torch.uint8)
+            for param, numel in zip(params, numels)
+        ]
+    else:
+        outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
     torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)
 
 
@@ -224,6 +272,7 @@ def issue_reduce_scatter(
     dtype: torch.dtype,
     in_place: bool,
     comm: Comm,
+    custom: Any = None,
 ) -> ReduceScatterResult:
     """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum).
 
@@ -233,19 +282,28 @@ def issue_reduce_scatter(
     group_numel = sum(p.padded_numel for p in params)
     # On the compute stream, where the grads were written: reading them needs no event, and the
     # buffer is only released after the compute stream has waited on the reduce-scatter.
-    reduce_scatter_input = torch.empty(shard_size * group_numel, dtype=dtype, device=comm.device)
+    allocate = custom.allocate if custom is not None else torch.empty  # set_custom_reduce_scatter
+    reduce_scatter_input = allocate((shard_size * group_numel,), dtype=dtype, device=comm.device)
     rank_major = reduce_scatter_input.view(shard_size, group_numel)
     # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
     chunk_cat(grads, shard_size, rank_major)
     grads.clear()  # the last references: the grads are freed now
+    in_place = in_place or (shard_size == 1 and custom is None)  # one rank: the input is the output
     if in_place:
         reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]
     else:
-        reduce_scatter_output = torch.empty(group_numel, dtype=dtype, device=comm.device)
+        reduce_scatter_output = allocate((group_numel,), dtype=dtype, device=comm.device)
     with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
-        work = _reduce_scatter_flat(
-            reduce_scatter_output, reduce_scatter_input, group=group, in_place=in_place, async_op=comm.async_work
-        )
+        work = None
+        if custom is not None:
+            work = custom(
+                output_tensor=reduce_scatter_output, input_tensor=reduce_scatter_input, group=group,
+                op=dist.ReduceOp.SUM, async_op=comm.async_work,
+            )  # fmt: skip
+        elif shard_size > 1:  # one rank sends nothing, as torch's
+            work = _reduce_scatter_flat(
+                reduce_scatter_output, reduce_scatter_input, group=group, in_place=in_place, async_op=comm.async_work
+            )
     event = comm.record("reduce_scatter")
     return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, in_place, params, work, event)
 
@@ -284,18 +342,19 @@ def finish_reduce_scatter(
             work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
         comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
         del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
-    if hook is not None:
-        _run_all_reduce_hook(hook, hook_stream, output)
     if divide_factor != 1.0:
         output.div_(divide_factor)
+    if hook is not None:  # sees the gradient as it will be stored (averaged), as torch's hook does
+        _run_all_reduce_hook(hook, hook_stream, output)
     return accumulate_sharded_grads(output, result.params)
 
 
 def _run_all_reduce_hook(
     hook: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None, output: torch.Tensor
 ) -> None:
-    """The user's hook on the group's reduced flat gradient (summed over the data-parallel ranks, before
-    the division), on ``stream`` if one was given (CUDA), ordered both ways with the compute stream."""
+    """The user's hook on the group's reduced flat gradient (averaged over the data-parallel ranks, or
+    divided by the set factor), on ``stream`` if one was given (CUDA), ordered both ways with the compute
+    stream."""
     if stream is None:
         hook(output)
         return
@@ -340,7 +399,22 @@ def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
+    _run_post_accumulate_grad_hooks(params, offload_event)
     return offload_event
+
+
+def _run_post_accumulate_grad_hooks(params: tuple[FSDPParam, ...], offload_event: torch.cuda.Event | None) -> None:
+    """``param.register_post_accumulate_grad_hook`` on a sharded parameter (e.g. an optimizer stepping
+    in backward): called once its reduced gradient is in ``.grad``, as autograd would for a leaf."""
+    for param in params:
+        hooks = getattr(param.sharded_param, "_post_accumulate_grad_hooks", None)
+        if not hooks:
+            continue
+        if offload_event is not None:
+            offload_event.synchronize()  # the hook reads the host gradient: its copy must be done
+            offload_event = None
+        for hook in tuple(hooks.values()):
+            hook(param.sharded_param)
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

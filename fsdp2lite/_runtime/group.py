@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..mesh import MeshInfo
+from ..policies import reduce_dtype_problem
 from .collectives import (
     AllGatherResult,
     ReduceScatterResult,
+    byte_sources,
     copy_out_all_gather,
     finish_reduce_scatter,
     issue_all_gather,
@@ -43,7 +45,8 @@ class PendingUnshard(NamedTuple):
 
     result: AllGatherResult
     group_size: int  # ranks it gathers from: the shard group, or the post-forward group
-    numels: list[int]  # per parameter, elements each rank contributes
+    numels: list[int]  # per parameter, elements (bytes, as_bytes) each rank contributes
+    as_bytes: bool  # gathered as uint8: the parameters gather in several dtypes ([Note: byte all-gather])
 
 
 class PostForwardGroup(NamedTuple):
@@ -106,6 +109,18 @@ class FSDPParamGroup:
     _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
+    gather_dtype: torch.dtype | None  # the all-gather's dtype; None: several, gathered as bytes
+    reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
+    reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
+    custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
+    custom_reduce_scatter: Any  # torch's ReduceScatter protocol, or None
+
+    def reduce_dtype_problem(self) -> str | None:
+        """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
+        ``requires_grad`` is final), or None."""
+        policy = self.params[0].policy  # one policy per group
+        named = {param.fqn: param.sharded_param for param in self.params}
+        return reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
 
     def __init__(
         self,
@@ -116,6 +131,7 @@ class FSDPParamGroup:
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
+        self.gather_dtype = _one_dtype(params)
         self._other_dim_params = tuple(p for p in params if p.shard_dim != 0)
         self.modules = modules
         self.mesh_info = mesh_info
@@ -140,6 +156,10 @@ class FSDPParamGroup:
         self._comm = None
         self.forward_prefetch = None
         self.backward_prefetch = None
+        self.reduce_scatter_max_input_buffers = 1
+        self.reduce_scatter_group = None
+        self.custom_all_gather = None
+        self.custom_reduce_scatter = None
 
     @property
     def comm(self) -> Comm:
@@ -163,6 +183,12 @@ class FSDPParamGroup:
         check_post_forward_size(value, self.mesh_info.shard_size)
         if 1 < value < self.mesh_info.shard_size:
             check_post_forward_dims(value, self.params)
+            if _one_dtype(self.params) is None:
+                dtypes = sorted({str(p.param_dtype).removeprefix("torch.") for p in self.params})
+                raise ValueError(
+                    f"reshard_after_forward={value} keeps a k-rank shard in one dtype, but this group's parameters "
+                    f"gather in several ({', '.join(dtypes)}); use True or False for it"
+                )
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
@@ -177,31 +203,48 @@ class FSDPParamGroup:
         )
         self.post_forward_group = post_forward_group
 
+    def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
+        """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
+        rank set between groups), or None to use the shard group."""
+        if not enable:
+            self.reduce_scatter_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
+        if ranks not in created:
+            created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        self.reduce_scatter_group = created[ranks]
+        self._in_place_reduce = None  # decided again for the new group
+
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
         for param in self.params:
             param.reset_sharded_param()
+        self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
-        dtype = self.params[0].param_dtype  # one dtype per group, checked by fully_shard
+        dtype = self.gather_dtype
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self.post_forward_buffer is not None:
             sub = self.post_forward_group
-            if sub is None:
+            if sub is None or dtype is None:  # int k is refused for several dtypes
                 raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
             buffer, numels = self.post_forward_buffer
             result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, dtype, self.comm)
-            self.pending_unshard = PendingUnshard(result, sub.size, numels)
+            self.pending_unshard = PendingUnshard(result, sub.size, numels, as_bytes=False)
         else:
             info = self.mesh_info
-            sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
-            numels = [p.padded_numel for p in self.params]
+            if dtype is not None:
+                sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
+                numels = [p.padded_numel for p in self.params]
+            else:
+                sources, numels = byte_sources(self.params)
             result = issue_all_gather(
-                sources, numels, info.shard_group, info.shard_size, info.shard_rank, dtype, self.comm
-            )
-            self.pending_unshard = PendingUnshard(result, info.shard_size, numels)
+                sources, numels, info.shard_group, info.shard_size, info.shard_rank, dtype or torch.uint8, self.comm,
+                self.custom_all_gather,
+            )  # fmt: skip
+            self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=dtype is None)
         self.trace("all_gather_issue")
 
     def wait_for_unshard(self) -> None:
@@ -212,7 +255,7 @@ class FSDPParamGroup:
         self.pending_unshard = None
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
-        copy_out_all_gather(output, self.params, pending.group_size, pending.numels)
+        copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
@@ -280,12 +323,13 @@ class FSDPParamGroup:
         if not params:
             return
         info = self.mesh_info
+        group = self.reduce_scatter_group or info.shard_group
         if self._in_place_reduce is None:
-            self._in_place_reduce = reduces_in_place(info.shard_group, self.comm.device)
-        dtype = params[0].reduce_dtype  # one dtype per group, checked by fully_shard
+            self._in_place_reduce = reduces_in_place(group, self.comm.device)
+        dtype = params[0].reduce_dtype  # one per group: fully_shard, lazy init and _take_unsharded_grads check
         self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), grads, info.shard_group, info.shard_rank, info.shard_size, dtype,
-            self._in_place_reduce, self.comm,
+            tuple(params), grads, group, info.shard_rank, info.shard_size, dtype,
+            self._in_place_reduce and self.custom_reduce_scatter is None, self.comm, self.custom_reduce_scatter,
         )  # fmt: skip
         self.trace("reduce_scatter_issue")
 
@@ -300,6 +344,12 @@ class FSDPParamGroup:
             if grad is not None:
                 params.append(param)
                 grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
+        if len({param.reduce_dtype for param in params}) > 1:  # unfrozen since lazy init
+            listing = ", ".join(f"{p.fqn}: {p.reduce_dtype}" for p in params)
+            raise RuntimeError(
+                f"{self}: gradients to reduce in several dtypes ({listing}); a group's gradients are one "
+                "reduce-scatter in one dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
+            )
         return params, grads
 
     def finish_reduce_scatter(self) -> None:
@@ -358,3 +408,9 @@ class FSDPParamGroup:
         if recorder is None:
             return nullcontext()
         return recorder.span(event, self.name or "<root>", self.training_state.name)
+
+
+def _one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
+    """The dtype every parameter all-gathers in, or None when they differ ([Note: byte all-gather])."""
+    dtypes = {param.param_dtype for param in params}
+    return dtypes.pop() if len(dtypes) == 1 else None

@@ -28,6 +28,7 @@ its gradient, a DTensor on the tp mesh, is brought to those placements and reduc
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -53,6 +54,13 @@ class ParamPolicy:
     pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
 
 
+# [Note: frozen]
+# Whether a parameter trains is the sharded parameter's ``requires_grad``, read when it is needed: the
+# unsharded parameter (what autograd sees) takes the value at every unshard, and the reduce-scatter
+# takes gradients of trainable parameters only. So ``requires_grad_(False)`` on a sharded parameter,
+# before the first forward or between steps, freezes it: no gradient, nothing for the optimizer.
+
+
 # [Note: unsharded storage]
 # Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
 # and refills it, so the Parameter object and every tensor autograd saved from it stay valid: they see
@@ -62,6 +70,26 @@ class ParamPolicy:
 # the all-gather's rank-major output (rank r's padded shard at [r * padded_numel, (r + 1) * padded_numel)),
 # and the Parameter is its first numel elements viewed as the original shape. The all-gather copy-out
 # is then one ``split_with_sizes_copy`` for the whole group, whatever the padding.
+
+
+# [Note: original identity]
+# A Parameter sharded by two separate fully_shard calls (a tie split across groups) must be found at lazy
+# init, but the original may be gone by then (each call replaces it on its modules; nothing else need
+# hold it). So every original gets a number the first time a call sees it, kept while it lives in a weak
+# identity table (nothing is written on the user's Parameter) and on each FSDPParam made from it.
+_original_uids: dict[int, int] = {}  # id(original) -> number, the entry dropped when the original dies
+_next_uid = itertools.count()
+
+
+def original_uid(param: torch.Tensor) -> int:
+    """The number of this original Parameter ([Note: original identity]). Keyed by ``id`` with a
+    finalizer, not a WeakKeyDictionary: that compares colliding keys with ``==``, elementwise on tensors."""
+    key = id(param)
+    uid = _original_uids.get(key)
+    if uid is None:
+        uid = _original_uids[key] = next(_next_uid)
+        weakref.finalize(param, _original_uids.pop, key, None)  # an id is reused only after its object dies
+    return uid
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -103,7 +131,6 @@ class FSDPParam:
     places: tuple[ParamPlace, ...]
     orig_shape: torch.Size  # the parameter's global shape
     orig_dtype: torch.dtype
-    requires_grad: bool
     mesh_info: MeshInfo
     shard_dim: int  # d: the dim sharded over the shard group (0 unless shard_placement_fn says otherwise)
     tp_spec: DTensorSpec | None  # tensor parallel: the parameter's own DTensor spec ([Note: tensor parallel])
@@ -121,10 +148,12 @@ class FSDPParam:
     all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
     sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
+    orig_uid: int  # the original's number, which outlives it ([Note: original identity])
     param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
     reduce_dtype: torch.dtype  # dtype of the reduce-scatter (and of accumulation with sync off)
     offload_to_cpu: bool
     pin_memory: bool
+    policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
 
@@ -141,18 +170,16 @@ class FSDPParam:
         self.places = places
         self.orig_shape = param.shape
         self.orig_dtype = param.dtype
-        self.requires_grad = param.requires_grad
         self.mesh_info = mesh_info
         self.shard_dim = shard_dim
-        self.param_dtype = cast_dtype(param, policy.param_dtype)
-        self.reduce_dtype = (
-            cast_dtype(param, policy.reduce_dtype) if policy.reduce_dtype is not None else self.param_dtype
-        )
+        self.policy = policy
+        self._set_dtypes(param.dtype)
         self.offload_to_cpu = policy.offload_to_cpu
         self.pin_memory = policy.pin_memory
         self.accumulated_grad = None
         self.partial_reduced_grad = None
         self.orig_param_ref = weakref.ref(param)
+        self.orig_uid = original_uid(param)
         data: torch.Tensor = param.detach()
         self.tp_spec = None
         if isinstance(param, DTensor):  # [Note: tensor parallel]
@@ -167,7 +194,7 @@ class FSDPParam:
         meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.orig_dtype)
         self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
         self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
-        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=self.requires_grad)
+        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
         sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]  # not a TP parameter: see api._check_param
         self.sharded_param = cast(DTensor, sharded)
         self.unsharded_flat = None
@@ -176,6 +203,19 @@ class FSDPParam:
         self.all_gather_view = None
         self.sharded_state = ShardedState.SHARDED
         self._set_on_modules(self.sharded_param)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded parameter, the one users see: freezing it after ``fully_shard``
+        (``p.requires_grad_(False)``, e.g. LoRA) takes effect at the next unshard ([Note: frozen])."""
+        return self.sharded_param.requires_grad
+
+    def _set_dtypes(self, dtype: torch.dtype) -> None:
+        """The all-gather and reduce dtypes of a parameter of ``dtype`` under this parameter's policy."""
+        probe = torch.empty(0, dtype=dtype)  # cast_dtype asks whether the parameter is floating point
+        self.param_dtype = cast_dtype(probe, self.policy.param_dtype)
+        reduce = self.policy.reduce_dtype
+        self.reduce_dtype = cast_dtype(probe, reduce) if reduce is not None else self.param_dtype
 
     # ---- construction helpers -------------------------------------------------------------
     def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
@@ -252,8 +292,22 @@ class FSDPParam:
             return  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
         self._adopt_padded_shard(self._new_padded_shard(local.detach()))
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
-        if self.unsharded_param is not None and self.unsharded_param.device != self.device:
+        if local.dtype != self.orig_dtype:
+            self._retype(local.dtype)
+        if self.unsharded_param is not None and (
+            self.unsharded_param.device != self.device or self.unsharded_param.dtype != self.param_dtype
+        ):
             self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+
+    def _retype(self, dtype: torch.dtype) -> None:
+        """``module.to(dtype)`` after ``fully_shard`` changed the shard's dtype: the spec, the all-gather
+        and reduce dtypes and any kept gradient state follow (the unsharded parameter is made anew)."""
+        self.orig_dtype = dtype
+        self._set_dtypes(dtype)
+        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), dtype)
+        self.sharded_spec = DTensorSpec(self.sharded_spec.mesh, self.sharded_spec.placements, tensor_meta=meta)
+        self.sharded_param._spec = self.sharded_spec  # type: ignore[attr-defined]
+        self.accumulated_grad = self.partial_reduced_grad = None
 
     # ---- state transitions ----------------------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
@@ -318,16 +372,25 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules."""
-        if self.unsharded_param is None:
+        unsharded = self.unsharded_param
+        if unsharded is None:
             raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
-        self._set_on_modules(self.unsharded_param)
+        if unsharded.requires_grad != self.sharded_param.requires_grad:  # [Note: frozen]
+            unsharded.requires_grad_(self.sharded_param.requires_grad)
+        self._set_on_modules(unsharded)
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
         """Register the sharded DTensor on the modules and free the unsharded storage."""
         self._set_on_modules(self.sharded_param)
         if self.unsharded_flat is not None:
-            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
+            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: frozen]
+        # Whether a parameter trains is the sharded parameter's ``requires_grad``, read when it is needed: the
+        # unsharded parameter (what autograd sees) takes the value at every unshard, and the reduce-scatter
+        # takes gradients of trainable parameters only. So ``requires_grad_(False)`` on a sharded parameter,
+        # before the first forward or between steps, freezes it: no gradient, nothing for the optimizer.
+
+        # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:
             self.unsharded_local.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED

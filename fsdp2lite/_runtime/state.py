@@ -55,8 +55,13 @@ break the graph at every collective and recompile per block.
 A call on a list of modules makes one group, used in one pass: the first of its modules to start
 forward unshards it and routes that module's inputs through _PostBackward; the group's post-forward
 runs when every module of the list has finished forward (so modules called one after another share
-one all-gather). A module of the list that never runs would hold the pass open: the root's
-post-forward closes it and leaves the group unsharded for backward.
+one all-gather). A module of the list that never runs in the root's forward (torchtitan's
+``[norm, output]`` with a chunked loss that calls ``output`` afterwards, or a module skipped this step)
+would hold the pass open: the root's post-forward completes it, as the group's own post-forward would
+(reshard per ``reshard_after_forward``, pre-backward hooked on the root's output). A later standalone
+call of the other module (``model.output(chunk)``) opens a new pass, unsharding again if needed; it
+stays open (the group unsharded) until the end of backward, and its gradients join the group's one
+reduce-scatter when the group's backward ends.
 """
 
 from __future__ import annotations
@@ -66,10 +71,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..policies import MixedPrecisionPolicy
+from .checks import (
+    check_materialized,
+    check_no_tie_across_groups,
+    check_one_mesh,
+    check_reduce_dtypes,
+    check_root_settings,
+)
 from .comm import Comm
 from .group import FSDPParamGroup
 from .states import TrainingState
@@ -94,6 +105,15 @@ def schedule_defaults(on_cuda: bool) -> ScheduleDefaults:
     return ScheduleDefaults(forward_prefetch_depth=1, late_backward_prefetch=True, overlap_reduce_scatter=False)
 
 
+class SharedComm:
+    """One Comm for several roots (``share_comm_ctx``): made by the first root's lazy init."""
+
+    comm: Comm | None
+
+    def __init__(self) -> None:
+        self.comm = None
+
+
 class RootContext:
     """State shared by every group under one root; owned by the root's FSDPState."""
 
@@ -105,14 +125,20 @@ class RootContext:
     forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
     overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
     late_backward_prefetch: bool  # prefetch in backward after the reduce-scatter (True) or at pre-backward
-    pending_reduce_scatter: FSDPParamGroup | None  # issued last, finished before the next one is issued
+    pending_reduce_scatters: list[FSDPParamGroup]  # in flight, oldest first ([Note: prefetch])
     is_last_backward: bool  # False: the end of backward leaves reductions in flight ([Note: microbatching])
     post_optim_event: torch.Event | None  # CUDA: the next root pre-forward's all-gathers wait on it
 
-    def __init__(self, states: list[FSDPState], schedule_overrides: dict[str, Any]) -> None:
+    def __init__(
+        self, states: list[FSDPState], schedule_overrides: dict[str, Any], shared: SharedComm | None = None
+    ) -> None:
         self.states = states
         groups = self.groups()
-        self.comm = Comm(groups[0].mesh_info.device) if groups else None
+        self.comm = None
+        if groups:
+            if shared is not None and shared.comm is None:
+                shared.comm = Comm(groups[0].mesh_info.device)
+            self.comm = shared.comm if shared is not None else Comm(groups[0].mesh_info.device)
         for group in groups:
             group.comm = self.comm  # type: ignore[assignment]
         self.forward_order = []
@@ -123,7 +149,7 @@ class RootContext:
         self.forward_prefetch_depth = settings.forward_prefetch_depth
         self.late_backward_prefetch = settings.late_backward_prefetch
         self.overlap_reduce_scatter = settings.overlap_reduce_scatter
-        self.pending_reduce_scatter = None
+        self.pending_reduce_scatters = []
         self.is_last_backward = True
         self.post_optim_event = None
 
@@ -135,12 +161,14 @@ class RootContext:
         device = self.comm.device.type if self.comm is not None else "none"
         return {key: getattr(self, key) for key in ScheduleDefaults._fields} | {"device": device}
 
-    def finish_forward_pass(self) -> None:
-        """Root post-forward: the order is known now; close group passes some module never finished."""
+    def finish_forward_pass(self, output: Any) -> None:
+        """Root post-forward: the order is known now; complete the group passes some module of a list
+        group never finished ([Note: group pass])."""
         self.order_recorded = True
-        for state in self.states[1:]:
-            # Left unsharded, with no pre-backward hook: backward needs the parameters as they are.
-            state.pending_forward.clear()
+        for state in reversed(self.states[1:]):  # innermost first, as their own post-forwards would run
+            if state.pending_forward - {_FORWARD_METHOD}:
+                state.pending_forward.clear()
+                state.post_forward_group(output)
 
     # ---- the schedule ------------------------------------------------------------------------
     def prefetch_forward(self, group: FSDPParamGroup) -> None:
@@ -167,19 +195,19 @@ class RootContext:
         positions = (index + step * k for k in range(1, depth + 1))
         return [self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order)]
 
-    def finish_pending_reduce_scatter(self) -> None:
-        """Before a group issues its reduce-scatter: finish the one still in flight (it overlapped this
-        group's backward compute), so its flat input is gone before the next one is allocated
-        ([Note: buffer lifetime]). On CUDA the wait is the compute stream's, the host does not block."""
-        previous, self.pending_reduce_scatter = self.pending_reduce_scatter, None
-        if previous is not None:
-            previous.finish_reduce_scatter()
+    def finish_pending_reduce_scatter(self, keep: int = 0) -> None:
+        """Before a group issues its reduce-scatter: finish the oldest still in flight (they overlapped
+        backward compute) until ``keep`` remain, so at most ``keep + 1`` flat inputs are alive once the
+        next is allocated ([Note: buffer lifetime]; ``keep`` is the issuing group's
+        ``reduce_scatter_max_input_buffers - 1``). On CUDA the wait is the compute stream's."""
+        while len(self.pending_reduce_scatters) > keep:
+            self.pending_reduce_scatters.pop(0).finish_reduce_scatter()
 
     def track_reduce_scatter(self, group: FSDPParamGroup) -> None:
-        """After ``group`` issued its reduce-scatter: keep it in flight until the next group's
+        """After ``group`` issued its reduce-scatter: keep it in flight until a later group's
         (``overlap_reduce_scatter``), or finish it at once."""
         if self.overlap_reduce_scatter:
-            self.pending_reduce_scatter = group
+            self.pending_reduce_scatters.append(group)
         else:
             group.finish_reduce_scatter()
 
@@ -225,7 +253,7 @@ class RootContext:
             group.reset(drop_unsharded_grads=in_backward)
         for state in self.states:
             state.pending_forward.clear()
-        self.pending_reduce_scatter = None
+        self.pending_reduce_scatters = []
         self.final_callback_queued = False
 
 
@@ -255,6 +283,7 @@ class FSDPState:
     schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
     step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
+    shared_comm: SharedComm | None  # as root: a Comm shared with other roots (``share_comm_ctx``)
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
@@ -268,6 +297,7 @@ class FSDPState:
         self.schedule_overrides = {}
         self.step_settings = {}
         self.trace_recorder = None
+        self.shared_comm = None
         for module in modules:
             module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
             module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
@@ -293,12 +323,14 @@ class FSDPState:
             names.setdefault(id(state), name)
             if state is not self and state not in states:
                 states.append(state)
-        _check_one_mesh(states, names)
-        _check_root_settings(states, names)
+        check_one_mesh(states, names)
+        check_root_settings(states, names)
+        check_no_tie_across_groups(states, names)
         for state in states:  # every check before any state changes: a failed first forward changes nothing
             if state.group is not None:
-                _check_materialized(state.group, names[id(state)])
-        context = RootContext(states, self.schedule_overrides)
+                check_materialized(state.group, names[id(state)])
+                check_reduce_dtypes(state.group, names[id(state)])
+        context = RootContext(states, self.schedule_overrides, self.shared_comm)
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
         if self.trace_recorder is not None:
@@ -390,18 +422,23 @@ class FSDPState:
         return self._post_forward(output)
 
     def _post_forward(self, output: Any) -> Any:
-        group = self.group
         if self.is_root and self.root_context is not None:
-            self.root_context.finish_forward_pass()
+            self.root_context.finish_forward_pass(output)
+        self.post_forward_group(output)
+        return output
+
+    def post_forward_group(self, output: Any) -> None:
+        """The group's post-forward: reshard (per ``reshard_after_forward``) and hook its pre-backward on
+        the gradient of ``output`` (this pass's output; for a pass completed by the root, the root's)."""
+        group = self.group
         if group is None:
-            return output
+            return
         grad_enabled = torch.is_grad_enabled()
         group.post_forward(grad_enabled)
         if grad_enabled:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        return output
 
     # ---- backward ---------------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:
@@ -420,7 +457,7 @@ class FSDPState:
             return
         context = self.root_context
         if context is not None:
-            context.finish_pending_reduce_scatter()  # one reduce-scatter input at a time
+            context.finish_pending_reduce_scatter(keep=group.reduce_scatter_max_input_buffers - 1)
         group.post_backward()
         if context is not None:
             if context.late_backward_prefetch:
@@ -451,40 +488,3 @@ def _attach_post_backward(
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree to ``dtype`` (others untouched)."""
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
-
-
-def _check_materialized(group: FSDPParamGroup, name: str) -> None:
-    """No parameter may still be on the meta device at the first forward (as registered now: after
-    ``to_empty`` the module holds the new local tensors)."""
-    for param in group.params:
-        place = param.places[0]
-        registered = place.module._parameters[place.name]
-        local = registered._local_tensor if isinstance(registered, DTensor) else registered  # type: ignore[attr-defined]
-        if local is not None and local.device.type == "meta":
-            raise ValueError(
-                f"parameter '{param.fqn}' of group '{name or '<root>'}' is still on the meta device at the first "
-                "forward: call model.to_empty(device=...) and initialize the parameters (e.g. reset_parameters()) "
-                "before running the model; nothing was changed"
-            )
-
-
-def _check_root_settings(states: list[FSDPState], names: dict[int, str]) -> None:
-    """Root settings made on a module that turned out not to be the root would be silently ignored."""
-    for state in states[1:]:
-        if state.schedule_overrides:
-            setting = next(iter(state.schedule_overrides))
-            raise ValueError(
-                f"set_{setting} was called on '{names[id(state)]}', which is not the root: the root is the "
-                f"outermost fully_shard module ('{names[id(states[0])] or '<root>'}' here). Call it there"
-            )
-
-
-def _check_one_mesh(states: list[FSDPState], names: dict[int, str]) -> None:
-    """Every group under one root must use the same mesh: one schedule, one set of process groups."""
-    meshes = [(names[id(st)] or "<root>", st.group.mesh_info.mesh) for st in states if st.group is not None]
-    if any(mesh != meshes[0][1] for _, mesh in meshes):
-        listing = ", ".join(f"{name}: {tuple(mesh.shape)} {mesh.mesh_dim_names}" for name, mesh in meshes)
-        raise ValueError(
-            f"all fully_shard calls under one root must use the same mesh; got {listing}. "
-            "Pass the same DeviceMesh to every call (fsdp2lite.init_mesh builds one)"
-        )

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..policies import MixedPrecisionPolicy, cast_dtype
+from ..policies import MixedPrecisionPolicy, reduce_dtype_problem
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
 
@@ -113,18 +113,19 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
 
 
 def _dtype_problems(plan: Plan) -> list[Problem]:
-    """A group all-gathers in one dtype: mixed parameter dtypes need a param_dtype (fully_shard's check)."""
+    """fully_shard's rule: a group's trainable parameters reduce in one dtype (``reduce_dtype_problem``)."""
     problems = []
     for group, params in zip(plan.groups, plan.params):
-        param_dtype = group.policy.mixed_precision.param_dtype
-        dtypes = {str(cast_dtype(p, param_dtype)).removeprefix("torch.") for p in params.values()}
-        if len(dtypes) > 1:
+        policy = group.policy.mixed_precision
+        problem = reduce_dtype_problem(params, policy.param_dtype, policy.reduce_dtype)
+        if problem is not None:
             label = " + ".join(path or "<root>" for path in group.paths)
             problems.append(
                 Problem(
                     label,
-                    f"its parameters have several dtypes ({', '.join(sorted(dtypes))}), but a group all-gathers in one",
-                    "set mixed_precision.param_dtype for it, or give those parameters a group of their own",
+                    problem,
+                    "set mixed_precision.param_dtype (or reduce_dtype) for it, freeze the odd parameters, or give "
+                    "them a group of their own",
                 )
             )
     return problems
