@@ -62,13 +62,21 @@ def _assert_same(model: nn.Module, ref: nn.Module, what: str, grads: bool) -> No
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-def _train_pair(model: nn.Module, ref: nn.Module, rank: int, what: str, steps: int = 3) -> None:
+def _train_pair(
+    model: nn.Module,
+    ref: nn.Module,
+    rank: int,
+    what: str,
+    steps: int = 3,
+    batch_fn: Callable[[int, int], Any] = mlp_batch,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mlp_loss,
+) -> None:
     """SGD with momentum on both, comparing losses, grads and params at every step."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     for step in range(steps):
-        batch = mlp_batch(step, rank)
-        loss, ref_loss = mlp_loss(model, batch), mlp_loss(ref, batch)
+        batch = batch_fn(step, rank)
+        loss, ref_loss = loss_fn(model, batch), loss_fn(ref, batch)
         loss.backward()
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL, msg=f"{what} step {step} loss")
@@ -197,31 +205,24 @@ def _chunked_loss(model: NormHead, x: torch.Tensor) -> torch.Tensor:
     return sum(model.output(chunk).pow(2).mean() for chunk in h.chunk(2))  # type: ignore[return-value]
 
 
+def _x8(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
 def check_partial_group_forward(rank: int, world_size: int) -> None:
-    """fully_shard([norm, output]) with only norm in the root's forward: grads of both as torch's."""
+    """fully_shard([norm, output]) with only norm in the root's forward: grads of both as torch's,
+    with the group kept unsharded after forward (torchtitan) or resharded and gathered again."""
     mesh = cpu_mesh()
-    torch.manual_seed(4)
-    model = NormHead()
-    ref = copy.deepcopy(model)
-    for m, shard in ((model, fl.fully_shard), (ref, _torch_fully_shard())):
-        for block in m.blocks:
-            shard(block, mesh=mesh)
-        shard([m.norm, m.output], mesh=mesh, reshard_after_forward=False)
-        shard(m, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        loss, ref_loss = _chunked_loss(model, x), _chunked_loss(ref, x)
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-        _assert_same(model, ref, f"partial group step {step} grads", grads=True)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _assert_same(model, ref, f"partial group step {step} params", grads=False)
+    for reshard in (False, True):
+        torch.manual_seed(4)
+        model = NormHead()
+        ref = copy.deepcopy(model)
+        for m, shard in ((model, fl.fully_shard), (ref, _torch_fully_shard())):
+            for block in m.blocks:
+                shard(block, mesh=mesh)
+            shard([m.norm, m.output], mesh=mesh, reshard_after_forward=reshard)
+            shard(m, mesh=mesh)
+        _train_pair(model, ref, rank, f"partial group (reshard {reshard})", batch_fn=_x8, loss_fn=_chunked_loss)
 
 
 def check_group_module_never_run(rank: int, world_size: int) -> None:
@@ -334,20 +335,7 @@ def check_frozen_params_of_another_dtype(rank: int, world_size: int) -> None:
         shard(m, mesh=mesh)
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
         assert p.dtype == r.dtype and p.to_local().shape == r.to_local().shape, n
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 7 * rank))
-        loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-        _assert_same(model, ref, f"mixed dtypes step {step} grads", grads=True)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _assert_same(model, ref, f"mixed dtypes step {step} params", grads=False)
+    _train_pair(model, ref, rank, "mixed dtypes", steps=2, batch_fn=_x8, loss_fn=lambda m, x: m(x).pow(2).mean())
 
 
 # ---- 9. torch's other FSDPModule setters, share_comm_ctx, dp_mesh_dims ---------------------------
