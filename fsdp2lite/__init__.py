@@ -12,6 +12,7 @@ from .api import fully_shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .estimate import MemoryEstimate, estimate_memory
+from .integrations import PatchReport, patch, unpatch
 from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -28,6 +29,7 @@ __all__ = [
     "MemoryEstimate",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PatchReport",
     "UnshardHandle",
     "__version__",
     "apply_config",
@@ -35,9 +37,11 @@ __all__ = [
     "fully_shard",
     "init_mesh",
     "load_checkpoint",
+    "patch",
     "plan_config",
     "record_trace",
     "register_fsdp_forward_method",
     "save_checkpoint",
     "share_comm_ctx",
+    "unpatch",
 ]

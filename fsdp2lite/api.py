@@ -25,7 +25,7 @@ from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, reduce_dtype_problem
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy, reduce_dtype_problem
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -101,15 +101,23 @@ def fully_shard(
 
 
 def _register_composable(modules: tuple[nn.Module, ...]) -> None:
-    """Mark ``modules`` as managed by ``fully_shard`` in torch's composable-API registry (the mark
-    torch's own ``fully_shard`` leaves), so torch's ``replicate()`` leaves their parameters to us
-    (reducing them twice otherwise) and refuses to wrap them. Only the mark: no torch FSDP code runs."""
+    """Leave the marks torch's own ``fully_shard`` leaves, so other tools see FSDP2-managed modules:
+    ``fully_shard`` in torch's composable-API registry on the called modules (torch's ``replicate()``
+    then leaves their parameters to us, instead of reducing them twice, and refuses to wrap them), and
+    ``_is_fsdp_managed_module`` / ``_fsdp_use_orig_params`` on every module the call manages
+    (transformers' ``generate`` syncs ranks on the first; torch.compile reads both). Marks only: no
+    torch FSDP code runs."""
     from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
     item = RegistryItem()  # one per call, shared by its modules, as torch's contract does
     for module in modules:
         registry = module.__dict__.setdefault(REGISTRY_KEY, {})
         registry.setdefault("fully_shard", item)
+    seen: set[int] = set()
+    for root in modules:
+        for _, managed in _walk(root, "", seen):
+            managed._is_fsdp_managed_module = True  # type: ignore[assignment]
+            managed._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _state_of(module: nn.Module) -> FSDPState:
@@ -244,14 +252,20 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
 
 
 def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)  # torch's too
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy (fsdp2lite's or torch's) or None, got {type(mp_policy).__name__}"
+        )
     if offload_policy is None:
         offload_policy = OffloadPolicy()
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy or None, got {type(offload_policy).__name__}")
+        raise TypeError(
+            "offload_policy must be an OffloadPolicy (fsdp2lite's or torch's) or None, got "
+            f"{type(offload_policy).__name__}"
+        )
     return mp_policy, offload_policy
 
 

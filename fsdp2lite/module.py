@@ -11,9 +11,39 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule  # public: to be recognised as FSDP2
 
+from ._runtime.comm import SharedComm
 from ._runtime.group import FSDPParamGroup
-from ._runtime.state import FSDPState, SharedComm
+from ._runtime.state import FSDPState
+
+# [Note: torch's FSDPModule]
+# fsdp2lite's FSDPModule subclasses torch's public FSDPModule class, so ``isinstance(m,
+# torch.distributed.fsdp.FSDPModule)`` holds and tools take fsdp2lite modules for FSDP2 ones (Accelerate
+# leaves a sharded model alone, transformers and Lightning drive it through the public methods). Every
+# method torch's class defines is overridden here; the two torch-private ones torch's own functions call
+# are answered too: ``_get_fsdp_state()`` returns a view with ``_pre_forward``/``_post_forward`` (torch's
+# ``register_fsdp_forward_method`` wraps methods with them), and ``_set_unshard_async_op`` refuses
+# clearly. Code that reaches deeper into torch's private state (``FSDPMemTracker``, the pipelining
+# schedules' manual post-backward through torch's ``fully_shard.state``) does not work on fsdp2lite
+# modules: README, "Differences from torch's fully_shard".
+
+
+class _ForwardHooksView:
+    """The two methods of torch's private FSDP state that torch's ``register_fsdp_forward_method`` calls."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+        self._opened: list[bool] = []  # per nested call: whether it opened a pass
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        opened, args, kwargs = self._state.begin_forward_method(module, args, kwargs)
+        self._opened.append(opened)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        opened = self._opened.pop() if self._opened else False
+        return self._state.end_forward_method(output) if opened else output
 
 
 class UnshardHandle:
@@ -28,18 +58,35 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
-    """Mixin swapped into a module's class by ``fully_shard``; its methods steer the runtime."""
+class FSDPModule(_TorchFSDPModule):
+    """Mixin swapped into a module's class by ``fully_shard``; its methods steer the runtime.
+
+    A subclass of torch's ``FSDPModule`` so that tools recognise fsdp2lite modules as FSDP2 ones
+    (Accelerate adopts a sharded model, Lightning and transformers check it); every method is ours,
+    none of torch's FSDP code runs ([Note: torch's FSDPModule])."""
 
     _fsdp_state: FSDPState
+    _orig_cls_mro_index = 3  # FSDP<Name>, FSDPModule (ours), FSDPModule (torch's), <Name>
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """A new instance made from an FSDP class (``nn.Sequential`` slicing calls ``self.__class__(...)``)
         is of the original class, unsharded, as torch's: the state belongs to the sharded instance only."""
-        original = cls.__mro__[2]  # FSDP<Name>(FSDPModule, <Name>): <Name>
+        original = cls.__mro__[cls._orig_cls_mro_index]
         instance = original.__new__(original)
         instance.__init__(*args, **kwargs)
         return instance
+
+    def _get_fsdp_state(self) -> _ForwardHooksView:
+        """What torch's own ``register_fsdp_forward_method`` calls (``_pre_forward``/``_post_forward``):
+        a view onto fsdp2lite's state. torch's private state (its param groups) does not exist here."""
+        return _ForwardHooksView(self._fsdp_state)
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch-private: fsdp2lite's pre-forward all-gathers are already issued ahead by prefetch."""
+        raise NotImplementedError(
+            "_set_unshard_async_op is torch-private FSDP2 state with no fsdp2lite equivalent; forward prefetch "
+            "(set_forward_prefetch_depth on the root) issues all-gathers ahead instead"
+        )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group now (e.g. ahead of use); ``async_op`` returns a handle."""
@@ -313,11 +360,11 @@ class FSDPModule:
         first, so a state dict that does not fit raises (RuntimeError, as torch's) before any value is
         copied, naming every offending key."""
         _check_state_dict_fits(self, state_dict, strict)  # type: ignore[arg-type]
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        return super(_TorchFSDPModule, self).load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]  # past torch's class
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """After ``to``/``to_empty``/``cuda``, point the DTensors back at padded shards."""
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        result = super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # past torch's class
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reset_sharded_params()
         return result

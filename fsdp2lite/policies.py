@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -72,6 +72,14 @@ class MixedPrecisionPolicy(BaseModel):
         """Fields by keyword, or positionally in torch's dataclass order
         (``MixedPrecisionPolicy(torch.bfloat16, torch.float32, None, True)``)."""
         super().__init__(**_positional("MixedPrecisionPolicy", _MP_FIELDS, args, kwargs))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_torch(cls, value: Any) -> Any:
+        """torch's ``MixedPrecisionPolicy`` dataclass, where a policy is expected (e.g. inside FSDPConfig)."""
+        if _is_torch_policy(value, "MixedPrecisionPolicy"):
+            return {name: getattr(value, name) for name in _MP_FIELDS}
+        return value
 
 
 _MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
@@ -137,3 +145,22 @@ def reduce_dtype_problem(
         f"its trainable parameters reduce their gradients in {len(by_dtype)} dtypes ({'; '.join(parts)}), but a "
         "group's gradients are one reduce-scatter in one dtype"
     )
+
+
+def _is_torch_policy(value: Any, name: str) -> bool:
+    """Whether ``value`` is torch's own policy dataclass ``name`` (``torch.distributed.fsdp``), by its
+    class's module and name: checked without importing torch's FSDP package."""
+    cls = type(value)
+    return cls.__name__ == name and cls.__module__.startswith("torch.distributed.fsdp")
+
+
+def from_torch_policy(value: Any) -> Any:
+    """torch's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` as fsdp2lite's (the
+    same fields); anything else unchanged, for the caller's type check."""
+    if _is_torch_policy(value, "MixedPrecisionPolicy"):
+        return MixedPrecisionPolicy.model_validate(value)
+    if _is_torch_policy(value, "CPUOffloadPolicy"):
+        return CPUOffloadPolicy(pin_memory=value.pin_memory)
+    if _is_torch_policy(value, "OffloadPolicy"):
+        return OffloadPolicy()
+    return value

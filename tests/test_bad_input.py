@@ -195,13 +195,13 @@ FULLY_SHARD = [
         "mp_policy str",
         plain(lambda m: fl.fully_shard(m, mp_policy="bf16")),
         TypeError,
-        r"mp_policy must be a MixedPrecisionPolicy or None, got str",
+        r"mp_policy must be a MixedPrecisionPolicy \(fsdp2lite's or torch's\) or None, got str",
     ),
     Case(
         "offload_policy bool",
         plain(lambda m: fl.fully_shard(m, offload_policy=True)),
         TypeError,
-        r"offload_policy must be an OffloadPolicy or None, got bool",
+        r"offload_policy must be an OffloadPolicy \(fsdp2lite's or torch's\) or None, got bool",
     ),
     Case(
         "ignored_params int",
@@ -659,7 +659,8 @@ APPLY = [
         "root mixes dtypes",
         lambda: (Mixed(), lambda m: fl.apply_config(m, config({}))),
         fl.ConfigError,
-        r"<root>: its trainable parameters reduce their gradients in 2 dtypes \(float32: a.weight, a.bias; bfloat16: b.weight.*param_dtype",
+        r"<root>: its trainable parameters reduce their gradients in 2 dtypes "
+        r"\(float32: a.weight, a.bias; bfloat16: b.weight.*param_dtype",
     ),
     Case(
         "rule matches nothing",

@@ -100,9 +100,13 @@ def test_mesh_device_type_mismatch() -> None:
 
 
 def test_policy_types() -> None:
-    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy or None, got dict"):
+    with pytest.raises(
+        TypeError, match=r"mp_policy must be a MixedPrecisionPolicy \(fsdp2lite's or torch's\) or None, got dict"
+    ):
         fl.fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": "bf16"})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="offload_policy must be an OffloadPolicy or None, got str"):
+    with pytest.raises(
+        TypeError, match=r"offload_policy must be an OffloadPolicy \(fsdp2lite's or torch's\) or None, got str"
+    ):
         fl.fully_shard(nn.Linear(2, 2), offload_policy="cpu")  # type: ignore[arg-type]
 
 

@@ -546,3 +546,17 @@ def test_torch_compat_world2() -> None:
 
 def test_torch_compat_world4() -> None:
     spawn_checks(4, check_hsdp_axis_names)
+
+
+def test_every_method_of_torchs_fsdpmodule_is_ours() -> None:
+    """fsdp2lite's FSDPModule subclasses torch's (so tools recognise it): none of torch's methods, which
+    reach into torch-private state, may be inherited."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    torchs = [name for name, value in vars(TorchFSDPModule).items() if inspect.isfunction(value)]
+    assert len(torchs) > 20
+    inherited = [name for name in torchs if name not in vars(fl.FSDPModule)]
+    assert not inherited, f"inherited from torch's FSDPModule: {inherited}"
+    assert issubclass(fl.FSDPModule, TorchFSDPModule)

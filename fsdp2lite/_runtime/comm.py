@@ -115,3 +115,12 @@ class Comm:
         current = torch.cuda.current_stream(self.device)
         for stream in self.streams.values():
             current.wait_stream(stream)
+
+
+class SharedComm:
+    """One Comm for several roots (``share_comm_ctx``): made by the first root's lazy init."""
+
+    comm: Comm | None
+
+    def __init__(self) -> None:
+        self.comm = None

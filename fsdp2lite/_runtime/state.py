@@ -81,7 +81,7 @@ from .checks import (
     check_reduce_dtypes,
     check_root_settings,
 )
-from .comm import Comm
+from .comm import Comm, SharedComm
 from .group import FSDPParamGroup
 from .states import TrainingState
 from .trace import TraceRecorder
@@ -103,15 +103,6 @@ def schedule_defaults(on_cuda: bool) -> ScheduleDefaults:
     if on_cuda:
         return ScheduleDefaults(forward_prefetch_depth=0, late_backward_prefetch=False, overlap_reduce_scatter=True)
     return ScheduleDefaults(forward_prefetch_depth=1, late_backward_prefetch=True, overlap_reduce_scatter=False)
-
-
-class SharedComm:
-    """One Comm for several roots (``share_comm_ctx``): made by the first root's lazy init."""
-
-    comm: Comm | None
-
-    def __init__(self) -> None:
-        self.comm = None
 
 
 class RootContext:
@@ -397,13 +388,24 @@ class FSDPState:
         the group's pre- and post-forward work like ``forward`` is. Forwards it calls on the same
         module run inside that one pass: a marker in ``pending_forward`` keeps their post-forward
         hooks from closing it, so the parameters stay unsharded until the method returns."""
+        opened, args, kwargs = self.begin_forward_method(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return self.end_forward_method(output) if opened else output
+
+    def begin_forward_method(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bool, tuple[Any, ...], dict[str, Any]]:
+        """Open a forward-method pass (False: already inside one of this group, nothing to do)."""
         if self.pending_forward or (self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD):
-            return method(*args, **kwargs)  # already inside a forward pass of this group
+            return False, args, kwargs
         pre = self._pre_forward_hook(module, args, kwargs)
         if pre is not None:
             args, kwargs = pre
         self.pending_forward.add(_FORWARD_METHOD)
-        output = method(*args, **kwargs)
+        return True, args, kwargs
+
+    def end_forward_method(self, output: Any) -> Any:
+        """Close the pass ``begin_forward_method`` opened: cast the output, post-forward."""
         self.pending_forward.clear()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)

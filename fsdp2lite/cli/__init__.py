@@ -5,6 +5,7 @@
     fsdp2lite validate configs/*.yaml
     fsdp2lite explain configs/bf16.yaml --model fsdp2lite.models:gpt_small --world-size 8
     fsdp2lite schema [--markdown]
+    fsdp2lite doctor
 
 Adding a subcommand: write its module in this package (``fsdp2lite/cli/``) with ``DESCRIPTION``,
 ``add_arguments(parser)`` and ``run(args) -> int``, then add one row to ``SUBCOMMANDS``; what the
@@ -64,6 +65,7 @@ SUBCOMMANDS = (
     ("schema", "schema", "print the YAML policy schema (JSON Schema or Markdown)"),
     ("trace", "trace", "read traces saved by fsdp2lite.record_trace"),
     ("consolidate", "consolidate", "turn a torch.distributed.checkpoint directory into one .pt/.safetensors file"),
+    ("doctor", "doctor", "versions, devices, importable integrations, and what fsdp2lite.patch() would rebind"),
 )
 
 

@@ -34,7 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..mesh import resolve_mesh_degrees
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
 from .errors import ConfigError, Problem
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
@@ -71,6 +71,17 @@ class OffloadConfig(BaseModel):
 
     def to_policy(self) -> OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.device == "cpu" else OffloadPolicy()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_policy(cls, value: Any) -> Any:
+        """An offload policy object (fsdp2lite's or torch's) where the config's offload section goes."""
+        policy = from_torch_policy(value)
+        if isinstance(policy, CPUOffloadPolicy):
+            return {"device": "cpu", "pin_memory": policy.pin_memory}
+        if isinstance(policy, OffloadPolicy):
+            return {"device": "none"}
+        return value
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -1,0 +1,108 @@
+"""``fsdp2lite doctor``: what this environment has: versions, devices and backends, which integrations
+can be imported, and what ``fl.patch()`` would rebind here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import platform
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .. import __version__
+
+DESCRIPTION = (
+    "Print versions (Python, torch, fsdp2lite and the libraries it works with), devices and process-group "
+    "backends, which integrations are importable, and what fsdp2lite.patch() would rebind in this process."
+)
+PACKAGES = ("torch", "pydantic", "transformers", "accelerate", "pytorch-lightning", "lightning", "torchao",
+            "safetensors", "trl", "torchtitan", "torchtune")  # fmt: skip
+INTEGRATIONS = (
+    ("transformers native FSDP2", "transformers.distributed.fsdp", "fl.patch() before importing model classes"),
+    ("Accelerate FSDP2", "accelerate.utils.fsdp_utils", "fsdp2lite.integrations.accelerate.install()"),
+    ("Lightning ModelParallelStrategy", "pytorch_lightning.strategies", "fl.fully_shard in configure_model"),
+    ("torchao (tensor-subclass all-gather)", "torchao", "not yet: see README"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--import-tools", action="store_true", help="import the tools first, so the patch plan covers them"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    console.print(_versions())
+    console.print(_devices())
+    console.print(_integrations(args.import_tools))
+    console.print(_patch_plan())
+    return 0
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _versions() -> Table:
+    table = Table(title=f"fsdp2lite {__version__}")
+    table.add_column("package")
+    table.add_column("version")
+    table.add_row("python", f"{platform.python_version()} ({sys.executable})")
+    for package in PACKAGES:
+        table.add_row(package, _version(package))
+    return table
+
+
+def _devices() -> Table:
+    import torch
+    import torch.distributed as dist
+
+    table = Table(title="devices and backends")
+    table.add_column("what")
+    table.add_column("here")
+    table.add_row("CUDA", f"{torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "not available")
+    table.add_row("distributed", "available" if dist.is_available() else "not available")
+    for backend, check in (("gloo", "is_gloo_available"), ("nccl", "is_nccl_available"), ("mpi", "is_mpi_available")):
+        available = dist.is_available() and getattr(dist, check, lambda: False)()
+        table.add_row(f"backend {backend}", "yes" if available else "no")
+    return table
+
+
+def _integrations(import_tools: bool) -> Table:
+    table = Table(title="integrations")
+    for column in ("integration", "module", "importable", "how"):
+        table.add_column(column)
+    for name, module, how in INTEGRATIONS:
+        table.add_row(name, module, _importable(module, import_tools), how)
+    return table
+
+
+def _importable(module: str, import_tools: bool) -> str:
+    """Whether ``module`` imports (``--import-tools``, or its tool is loaded already), else whether its
+    package is installed: importing every tool would take seconds and change what the patch plan shows."""
+    import importlib.util
+
+    try:
+        if import_tools or module.split(".")[0] in sys.modules:
+            importlib.import_module(module)
+            return "yes"
+        return "installed" if importlib.util.find_spec(module.split(".")[0]) is not None else "no (not installed)"
+    except Exception as exc:  # noqa: BLE001  (any failure to import is the answer)
+        return f"no ({type(exc).__name__}: {exc})"
+
+
+def _patch_plan() -> Table:
+    from ..integrations.patch import is_patched, planned
+
+    table = Table(title="fsdp2lite.patch() would rebind" + (" (already patched)" if is_patched() else ""))
+    table.add_column("module.name")
+    for entry in planned():
+        table.add_row(entry)
+    return table
