@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard import _fully_shard as torch_home
 
 import fsdp2lite as fl
+
 patch_module = importlib.import_module("fsdp2lite.integrations.patch")  # the package's ``patch`` is the function
 NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
 TORCHS = {name: getattr(torch_home if hasattr(torch_home, name) else torch_fsdp, name) for name in NAMES}
@@ -150,3 +151,16 @@ def test_accelerate_install_bad_config(tmp_path) -> None:  # type: ignore[no-unt
     with pytest.raises(fl.ConfigError, match="did you mean 'class'"):
         fl_accelerate.install(bad)
     assert not patch_module.is_patched()  # nothing was patched by a refused install
+
+
+@pytest.mark.usefixtures("unpatched")
+def test_doctor_reports_versions_integrations_and_the_patch_plan(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from fsdp2lite.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "│ torch" in out and torch.__version__ in out and "backend gloo" in out
+    assert "torch.distributed.fsdp.fully_shard" in out and "would rebind" in out
+    assert "Accelerate FSDP2" in out and "Lightning" in out
+    assert torch_fsdp.fully_shard is TORCHS["fully_shard"]  # the plan rebinds nothing

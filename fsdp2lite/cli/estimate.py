@@ -34,6 +34,7 @@ from ..estimate import (
     element_size,
     estimate_memory,
 )
+from ..estimate.analytic import analytic_estimate
 from ._args import UsageError, non_negative_int, positive_int
 from .explain import build_on_meta, human_bytes, load_factory
 from .validate import problems_table
@@ -70,7 +71,11 @@ def parse_bytes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, metavar="MODULE:FACTORY", help="a no-argument function building the model"
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="pkg.module:factory, a Hugging Face model directory or config.json, hf:ORG/NAME (local cache), or a "
+        "preset (llama-3.2-1b, llama-3-8b, llama-3-70b)",
     )
     parser.add_argument(
         "--config", metavar="CONFIG.yaml", help="the policy file (default: one group per repeated block)"
@@ -89,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cuda", help="the target: NCCL on CUDA, or gloo on CPU")
     parser.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="search settings that fit, e.g. 80GiB")
     parser.add_argument("--write-config", metavar="OUT.yaml", help="with --budget: write the chosen settings")
+    parser.add_argument("--all", action="store_true", help="with --budget: every setting tried, not the nearest few")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        default=None,
+        help="ranks sharing one machine's host memory (CPU offload per machine; default min(world size, 8))",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
@@ -102,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
             f"argument --rank: must be < --world-size ({args.world_size}), got {args.rank}", prog="fsdp2lite estimate"
         )
     console = Console()
-    factory = load_factory(args.model)
-    build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
+    factory = load_factory(args.model, prog="fsdp2lite estimate")
+    model = build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
+    cache: dict[Any, Any] = {"model": model}  # analytic: one meta model and one trace per setting, for every estimate
     inputs = load_factory(args.inputs) if args.inputs else None
     loaded, config = _load_config(args, console)
     if not loaded:
@@ -118,14 +131,15 @@ def run(args: argparse.Namespace) -> int:
         "method": args.method,
         "device": args.device,
     }
-    estimate = _estimate(factory, config, common, args.model)
+    estimate = _estimate(factory, config, common, args.model, cache)
     console.print(estimate_table(f"{args.model}, world size {args.world_size}, rank {args.rank}", estimate))
     record: dict[str, Any] = estimate.to_json()
     code = 0
     if args.budget is not None:
-        base = config or default_config(build_on_meta(factory, args.model))
-        choice, tried = search_budget(factory, base, common, args.budget, args.model)
-        console.print(search_table(args.budget, tried, choice))
+        base = config or default_config(model)
+        choice, tried = search_budget(factory, base, common, args.budget, args.model, cache)
+        per_node = args.ranks_per_node or min(args.world_size, 8)
+        console.print(search_table(args.budget, tried, choice, per_node, show_all=args.all))
         record["budget"] = {"bytes": args.budget, "fits": choice is not None, "tried": tried}
         if choice is None:
             console.print(f"[red]nothing tried fits {human_bytes(args.budget)}[/red]")
@@ -151,8 +165,14 @@ def _load_config(args: argparse.Namespace, console: Console) -> tuple[bool, FSDP
         return False, None
 
 
-def _estimate(factory: Any, config: FSDPConfig | None, common: dict[str, Any], spec: str) -> MemoryEstimate:
+def _estimate(
+    factory: Any, config: FSDPConfig | None, common: dict[str, Any], spec: str, cache: dict[Any, Any] | None = None
+) -> MemoryEstimate:
+    """One estimate; with ``cache`` (the budget search, analytic), the model and traces are shared."""
     try:
+        if cache is not None and common["method"] == "analytic":  # arguments checked by the first estimate
+            keys = ("world_size", "rank", "inputs", "batch", "seq", "optimizer", "device")
+            return analytic_estimate(factory, config, *(common[k] for k in keys), cache=cache)
         return estimate_memory(factory, config, **common)
     except (ValueError, TypeError, ConfigError) as exc:
         raise UsageError(f"cannot estimate {spec}: {exc}", prog="fsdp2lite estimate") from None
@@ -199,22 +219,30 @@ def search_space(base: FSDPConfig, world_size: int) -> dict[str, tuple[Any, ...]
 
 
 def search_budget(
-    factory: Any, base: FSDPConfig, common: dict[str, Any], budget: int, spec: str
+    factory: Any,
+    base: FSDPConfig,
+    common: dict[str, Any],
+    budget: int,
+    spec: str,
+    cache: dict[Any, Any] | None = None,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """Every combination of the search space on top of ``base``, estimated; the fitting one with the
     least communication per step is the choice, then one without CPU offload (host-device copies every
-    step), then one without activation checkpointing (a second forward), then the smallest peak."""
-    model = build_on_meta(factory, spec)
+    step), then one without activation checkpointing (a second forward), then the smallest peak.
+    ``cache`` (analytic): one meta model and one activation trace per compute dtype and checkpointing."""
+    cache = {"model": build_on_meta(factory, spec)} if cache is None else cache
+    model = cache["model"]
     space = search_space(base, common["world_size"])
     tried = []
     for values in itertools.product(*space.values()):
         settings = dict(zip(space, values))
         config = _with_settings(base, settings)
-        estimate = _estimate(factory, config, common, spec)
+        estimate = _estimate(factory, config, common, spec, cache)
         comm = communication_bytes(model, config, common["world_size"])
         tried.append(
-            {**settings, "peak_bytes": estimate.peak_bytes, "comm_bytes": comm, "fits": estimate.peak_bytes <= budget}
-        )
+            {**settings, "peak_bytes": estimate.peak_bytes, "comm_bytes": comm, "fits": estimate.peak_bytes <= budget,
+             "host_bytes": estimate.host_bytes}
+        )  # fmt: skip
     fitting = [row for row in tried if row["fits"]]
     choice = (
         min(
@@ -270,22 +298,46 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
     return int(total)
 
 
-def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None) -> Table:
-    table = Table(title=f"settings searched for a budget of {human_bytes(budget)}")
-    for column in (*SEARCH, "peak", "sent/step", "fits"):
-        table.add_column(column, justify="right" if column in ("peak", "sent/step") else "left")
-    for row in sorted(
-        tried, key=lambda r: (r["comm_bytes"], r["offload"], r["activation_checkpointing"], r["peak_bytes"])
-    ):
+def _order(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["comm_bytes"], row["offload"], row["activation_checkpointing"], row["peak_bytes"])
+
+
+def nearest_rows(tried: list[dict[str, Any]], choice: dict[str, Any] | None, few: int = 5) -> list[dict[str, Any]]:
+    """The chosen setting and its nearest alternatives: the next fitting ones in the choice's order, and
+    the cheapest in communication that do not fit (what a bigger budget would buy). Without a choice,
+    the smallest peaks (how far off the budget is)."""
+    ordered = sorted(tried, key=_order)
+    if choice is None:
+        return sorted(tried, key=lambda row: row["peak_bytes"])[:few]
+    fitting = [row for row in ordered if row["fits"] and row is not choice][: few - 3]
+    cheaper = [row for row in ordered if not row["fits"] and row["comm_bytes"] < choice["comm_bytes"]][-2:]
+    return sorted([choice, *fitting, *cheaper], key=_order)
+
+
+def search_table(
+    budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None, ranks_per_node: int, show_all: bool
+) -> Table:
+    rows = sorted(tried, key=_order) if show_all else nearest_rows(tried, choice)
+    nearest = f"the choice and its nearest alternatives ({len(tried)} tried; --all shows them)"
+    shown = "every setting tried" if show_all else nearest
+    table = Table(title=f"settings for a budget of {human_bytes(budget)}: {shown}")
+    columns = (*SEARCH, "peak", "sent/step", "host/rank", f"host/node ({ranks_per_node})", "fits")
+    for column in columns:
+        table.add_column(column, justify="left" if column in SEARCH or column == "fits" else "right")
+    for row in rows:
         chosen = row is choice
         style = "bold green" if chosen else ("" if row["fits"] else "dim")
+        host = row.get("host_bytes", 0)
         table.add_row(
             *(str(row[key]).lower() for key in SEARCH),
             human_bytes(row["peak_bytes"]),
             human_bytes(row["comm_bytes"]),
+            human_bytes(host) if host else "-",
+            human_bytes(host * ranks_per_node) if host else "-",
             ("chosen" if chosen else "yes") if row["fits"] else "no",
             style=style,
         )
+    table.caption = "host: CPU offload's fp32 shards, gradients and optimizer state, per rank and per machine"
     return table
 
 

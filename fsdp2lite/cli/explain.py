@@ -48,8 +48,9 @@ from ..config import (
     mesh_problems,
     plan_config,
 )
-from ..estimate import sharded_nbytes
+from ..estimate import default_config, sharded_nbytes
 from ._args import UsageError, positive_int
+from ._hf_models import FORMS, hf_factory, is_hf_spec
 from .validate import problems_table
 
 DESCRIPTION = (
@@ -213,11 +214,23 @@ def _root_only_modules(model: nn.Module, root_ids: set[int], ignored: set[int]) 
 
 
 # ---- the model: a factory built on the meta device ----------------------------------------------
-def load_factory(spec: str) -> Callable[[], Any]:
-    """The callable named by ``pkg.module:factory`` (the attribute may be dotted); ``UsageError`` if not."""
+def _rule_classes(config: FSDPConfig) -> list[str]:
+    names: list[str] = []
+    for rule in config.wrap:
+        value = rule.match.class_
+        names += [value] if isinstance(value, str) else list(value or [])
+    return names
+
+
+def load_factory(spec: str, prog: str = _PROG) -> Callable[[], Any]:
+    """The callable named by ``pkg.module:factory`` (the attribute may be dotted), or a Hugging Face
+    model's builder (a directory, config.json, ``hf:ID`` or a preset: ``_hf_models``); ``UsageError`` if
+    neither."""
+    if is_hf_spec(spec):
+        return hf_factory(spec, prog)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"argument --model: expected 'pkg.module:factory', got {spec!r}", _PROG)
+        raise UsageError(f"argument --model: expected {FORMS}; got {spec!r}", prog)
     if os.getcwd() not in sys.path:  # like `python -m`: modules next to the user's working directory import
         sys.path.insert(0, os.getcwd())
     try:
@@ -377,12 +390,18 @@ def show_explanation(console: Console, title: str, explanation: Explanation) -> 
 
 # ---- the subcommand -----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="CONFIG", help="YAML policy file")
+    parser.add_argument(
+        "config",
+        metavar="CONFIG",
+        nargs="?",
+        help="YAML policy file (default: a Hugging Face model's _no_split_modules, else one group per repeated block)",
+    )
     parser.add_argument(
         "--model",
         required=True,
-        metavar="PKG.MODULE:FACTORY",
-        help="a callable returning the nn.Module, e.g. fsdp2lite.models:gpt_small (built on the meta device)",
+        metavar="MODEL",
+        help="pkg.module:factory (e.g. fsdp2lite.models:gpt_small), a Hugging Face model directory or config.json, "
+        "hf:ORG/NAME (local cache only) or a preset (llama-3-70b, ...); built on the meta device",
     )
     parser.add_argument(
         "--world-size", type=positive_int, default=8, help="ranks the model would be sharded over (default 8)"
@@ -393,8 +412,9 @@ def run(args: argparse.Namespace) -> int:
     """0 when the plan is clean; 1 for an invalid config, a rule matching nothing or a refused parameter."""
     factory = load_factory(args.model)
     console = Console()
+    model = build_on_meta(factory, args.model)
     try:
-        config = FSDPConfig.from_yaml(args.config)
+        config = FSDPConfig.from_yaml(args.config) if args.config else default_config(model)
     except ConfigError as exc:
         console.print(problems_table(args.config, exc.problems))
         return 1
@@ -402,8 +422,8 @@ def run(args: argparse.Namespace) -> int:
         config.mesh.resolve(args.world_size)
     except ValueError as exc:
         raise UsageError(f"argument --world-size: {exc}", _PROG) from None
-    model = build_on_meta(factory, args.model)
     explanation = explain_config(model, config, args.world_size)
-    title = f"{type(model).__name__} ({args.model}) under {args.config}, world size {args.world_size}"
+    source = args.config or "the default plan (" + (", ".join(_rule_classes(config)) or "root only") + ")"
+    title = f"{type(model).__name__} ({args.model}) under {source}, world size {args.world_size}"
     show_explanation(console, title, explanation)
     return 1 if explanation.unmatched or explanation.refused else 0

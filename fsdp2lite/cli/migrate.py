@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="OUT.yaml", help="write the policy file here (default: stdout)")
     parser.add_argument("--fsdp", metavar="OPTIONS", help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap"')
     parser.add_argument("--world-size", type=positive_int, help="deepspeed MiCS: the job's world size")
-    parser.add_argument("--model", metavar="MODULE:FACTORY", help="size-based wrapping: the model, to name its modules")
+    parser.add_argument(
+        "--model", metavar="MODEL", help="size-based wrapping: the model (as estimate's --model), to name its modules"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
 

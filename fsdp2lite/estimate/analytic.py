@@ -37,6 +37,7 @@ from .common import (
     sharded_nbytes,
     step_inputs,
     step_loss,
+    token_spec,
 )
 
 
@@ -50,9 +51,15 @@ def analytic_estimate(
     seq: int | None,
     optimizer: str,
     device: str,
+    cache: dict[Any, Any] | None = None,
 ) -> MemoryEstimate:
-    with torch.device("meta"):
-        model = model_fn()
+    """The closed form (module docstring). ``cache``: a dict kept across calls on the same model, batch and
+    sequence (the budget search): the meta model and each activation trace are made once."""
+    cache = {} if cache is None else cache
+    if "model" not in cache:
+        with torch.device("meta"):
+            cache["model"] = model_fn()
+    model = cache["model"]
     config = config or default_config(model)
     _, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
@@ -68,16 +75,16 @@ def analytic_estimate(
     terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
     offloaded = [cost for cost, group in zip(sharded, plan.groups) if group.policy.offload.device == "cpu"]
     share = sum(offloaded) / sum(sharded) if sum(sharded) else 0.0
-    host = int((terms["S"] + terms["O"]) * share)  # CPU offload: those shards and their optimizer state
-    terms["G_h"] = int(terms["S"] * share)  # ... and their sharded gradients, accumulating during backward
+    terms["G_h"] = int(terms["S"] * share)  # CPU offload: those shards' sharded gradients, on the host
+    host = int((terms["S"] + terms["O"]) * share) + terms["G_h"]  # shards, optimizer state and gradients
     for key in ("S", "O", "T"):
         terms[key] = int(terms[key] * (1 - share))  # what stays on the device
-    terms["A"], terms["L"] = _trace_activations(model_fn, config, inputs_fn, batch, seq, ())
+    terms["A"], terms["L"] = _cached_trace(cache, model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
     if checkpointed:
         full = terms["A"]
-        terms["A"], _ = _trace_activations(model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
+        terms["A"], _ = _cached_trace(cache, model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
         terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
     name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
     notes: tuple[str, ...] = (
@@ -88,7 +95,7 @@ def analytic_estimate(
     if share:
         notes = (
             *notes,
-            f"CPU offload: {share:.0%} of the shards and their optimizer state on the host ({host:,} bytes)",
+            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes)",
         )
     breakdown = _breakdown(name, terms)
     phase = name.split(" ")[0]
@@ -187,6 +194,22 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     }
 
 
+def _cached_trace(
+    cache: dict[Any, Any],
+    model_fn: Callable[[], nn.Module],
+    config: FSDPConfig,
+    inputs_fn: Callable[[], Any] | None,
+    batch: int,
+    seq: int | None,
+    checkpointed: tuple[str, ...],
+) -> tuple[int, int]:
+    """``_trace_activations``, once per compute dtype and checkpointed set in ``cache``."""
+    key = ("trace", config.mixed_precision.param_dtype, checkpointed)
+    if key not in cache:
+        cache[key] = _trace_activations(model_fn, config, inputs_fn, batch, seq, checkpointed)
+    return cache[key]
+
+
 def _trace_activations(
     model_fn: Callable[[], nn.Module],
     config: FSDPConfig,
@@ -228,7 +251,8 @@ def _trace_activations(
             if token_model:  # the loss runs the forward: the output is (batch, seq, vocab) logits
                 step_loss(model, inputs, token_model)
                 element = element_size(dtype) if dtype is not None else 4
-                output_bytes = inputs[0].numel() * model.cfg.vocab_size * element  # type: ignore[union-attr]
+                vocab = token_spec(model)[0]  # type: ignore[index]
+                output_bytes = inputs[0].numel() * vocab * element
             else:
                 output = model(*inputs)
                 first = first_floating(output)

@@ -43,22 +43,54 @@ class MemoryEstimate:
 
 
 # ---- inputs and the step ------------------------------------------------------------------------
-def token_inputs(model: nn.Module, batch: int, seq: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(tokens, targets) of shape (batch, seq) for a token model (a ``cfg`` with ``vocab_size`` and
-    ``seq_len``, like ``fsdp2lite.models.GPT``); None for other models."""
+HF_DEFAULT_SEQ = 2048  # a Hugging Face model's tokens per sequence when --seq is not given (capped by its limit)
+
+
+def token_spec(model: nn.Module) -> tuple[int, int] | None:
+    """(vocab size, longest sequence) of a token model: fsdp2lite's GPT (``cfg.vocab_size``,
+    ``cfg.seq_len``) or a Hugging Face causal LM (``config.vocab_size``, ``config.max_position_embeddings``);
+    None for other models."""
     cfg = getattr(model, "cfg", None)
     vocab, max_seq = getattr(cfg, "vocab_size", None), getattr(cfg, "seq_len", None)
-    if not isinstance(vocab, int) or not isinstance(max_seq, int):
+    if isinstance(vocab, int) and isinstance(max_seq, int):
+        return vocab, max_seq
+    if is_hf_model(model):
+        config = model.config  # type: ignore[union-attr]
+        vocab, max_seq = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+        if isinstance(vocab, int) and isinstance(max_seq, int):
+            return vocab, max_seq
+    return None
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model: a ``config`` with ``model_type``, trained through its own ``output.loss``."""
+    return isinstance(getattr(getattr(model, "config", None), "model_type", None), str)
+
+
+def token_inputs(model: nn.Module, batch: int, seq: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(tokens, targets) of shape (batch, seq) for a token model (``token_spec``); None for others. A
+    Hugging Face model gets ``input_ids`` and ``labels`` (its loss shifts them itself)."""
+    spec = token_spec(model)
+    if spec is None:
         return None
-    seq = max_seq if seq is None else seq
+    vocab, max_seq = spec
+    hf = is_hf_model(model)
+    seq = (min(max_seq, HF_DEFAULT_SEQ) if hf else max_seq) if seq is None else seq
     if seq > max_seq:
-        raise ValueError(f"seq={seq} is longer than the model's seq_len ({max_seq})")
+        limit = "max_position_embeddings" if hf else "seq_len"
+        raise ValueError(f"seq={seq} is longer than the model's {limit} ({max_seq})")
+    if hf:
+        tokens = torch.randint(0, vocab, (batch, seq))
+        return tokens, tokens
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def step_loss(model: nn.Module, inputs: tuple[Any, ...], token_model: bool) -> torch.Tensor:
-    """The scalar a step backpropagates: ``model.loss(...)`` if the model has one, else the output's mean."""
+    """The scalar a step backpropagates: a Hugging Face model's ``output.loss``, ``model.loss(...)`` if the
+    model has one, else the output's mean."""
+    if token_model and is_hf_model(model):
+        return model(input_ids=inputs[0], labels=inputs[1]).loss
     loss_fn = getattr(model, "loss", None)
     if callable(loss_fn) and (token_model or len(inputs) > 1):
         return loss_fn(*inputs)
@@ -94,7 +126,8 @@ def step_inputs(
     tokens = token_inputs(model, batch, seq)
     if tokens is None:
         raise ValueError(
-            f"{type(model).__name__} is not a token model (no cfg.vocab_size and cfg.seq_len): pass inputs=..., "
+            f"{type(model).__name__} is not a token model (neither fsdp2lite's cfg.vocab_size/seq_len nor a Hugging "
+            "Face config.vocab_size/max_position_embeddings): pass inputs=..., "
             "a function returning one rank's example inputs (CLI: --inputs MODULE:FN)"
         )
     return tokens, True
@@ -127,9 +160,14 @@ def make_optimizer(name: str, model: nn.Module, device: str) -> torch.optim.Opti
 
 # ---- the default config ---------------------------------------------------------------------------
 def default_config(model: nn.Module) -> FSDPConfig:
-    """One group per repeated block (of the module classes that appear more than once with parameters,
-    the one with the most parameters per instance), the rest in the root: what ``configs/demo.yaml``
-    does for the GPT."""
+    """A Hugging Face model: one group per module of its ``_no_split_modules`` classes (its decoder layers,
+    what Accelerate and transformers shard), the rest in the root. Others: one group per repeated block
+    (of the module classes that appear more than once with parameters, the one with the most parameters
+    per instance), the rest in the root: what ``configs/demo.yaml`` does for the GPT."""
+    present = {type(module).__name__ for module in model.modules()}
+    no_split = [name for name in getattr(model, "_no_split_modules", None) or () if name in present]
+    if no_split:
+        return FSDPConfig(wrap=[WrapRule(match=Match(class_=sorted(no_split)))])
     counts: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
     for _, module in model.named_modules():

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from ..api import fully_shard
+from ..module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
 NAMES = (
     "fully_shard",
     "FSDPModule",
@@ -73,9 +77,16 @@ class _Patcher:
         self.done: list[tuple[ModuleType, str, Any]] = []  # (module, name, torch's object), in order
 
     def replacements(self) -> dict[str, Any]:
-        import fsdp2lite
-
-        return {name: getattr(fsdp2lite, name) for name in NAMES}
+        return {
+            "fully_shard": fully_shard,
+            "FSDPModule": FSDPModule,
+            "UnshardHandle": UnshardHandle,
+            "MixedPrecisionPolicy": MixedPrecisionPolicy,
+            "OffloadPolicy": OffloadPolicy,
+            "CPUOffloadPolicy": CPUOffloadPolicy,
+            "register_fsdp_forward_method": register_fsdp_forward_method,
+            "share_comm_ctx": share_comm_ctx,
+        }
 
     def capture_originals(self) -> None:
         if self.originals:

@@ -1,0 +1,102 @@
+"""``explain`` / ``estimate`` / ``migrate`` on the models people bring (issue 22): ``--model`` takes a
+Hugging Face model directory, its config.json, an ``hf:`` id from the local cache (never downloaded) or a
+preset; groups default to the model's ``_no_split_modules``; inputs are ``input_ids``/``labels`` and the loss
+is the model's own; ``--budget`` prints the choice and its nearest alternatives (``--all``: every row) with
+the host memory CPU offload needs per rank and per machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+
+from fsdp2lite.cli import main  # noqa: E402
+from fsdp2lite.cli._hf_models import PRESETS, hf_factory  # noqa: E402
+from fsdp2lite.cli.estimate import nearest_rows  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # rich wraps titles at the terminal's width
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from _models import tiny_llama
+
+    path = tmp_path_factory.mktemp("llama")
+    tiny_llama(layers=3).config.save_pretrained(path)  # the config alone: nothing else is read
+    return path
+
+
+def test_explain_takes_a_model_directory_and_groups_by_no_split_modules(llama_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["explain", "--model", str(llama_dir), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "default plan (LlamaDecoderLayer)" in out
+    assert out.count("wrap[0]: class=[LlamaDecoderLayer]") == 3  # one group per decoder layer
+    assert "in 4 groups" in out  # three layers and the root
+    assert main(["explain", "--model", str(llama_dir / "config.json"), "--world-size", "2"]) == 0
+
+
+def test_estimate_of_a_hf_model_uses_its_own_loss(llama_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """simulate and analytic both run the model's own forward with input_ids/labels; their peaks agree
+    within the analytic bound (15%) the estimate tests use."""
+    peaks = {}
+    for method in ("simulate", "analytic"):
+        args = ["estimate", "--model", str(llama_dir), "--world-size", "2", "--seq", "16", "--method", method]
+        assert main([*args, "--json"]) == 0
+        peaks[method] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_bytes"]
+    assert abs(peaks["analytic"] - peaks["simulate"]) <= 0.15 * peaks["simulate"], peaks
+
+
+def test_budget_shows_the_nearest_settings_and_host_memory(llama_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["estimate", "--model", str(llama_dir), "--world-size", "4", "--seq", "16", "--method", "analytic"]
+    assert main([*args, "--budget", "10GiB", "--ranks-per-node", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    tried = record["budget"]["tried"]
+    assert "nearest alternatives (48 tried; --all shows them)" in out and "host/node (4)" in out
+    offloaded = [row for row in tried if row["offload"]]
+    assert offloaded and all(row["host_bytes"] > 0 for row in offloaded)
+    assert all(row["host_bytes"] == 0 for row in tried if not row["offload"])
+    assert main([*args, "--budget", "10GiB", "--all"]) == 0
+    assert "every setting tried" in capsys.readouterr().out
+
+
+def test_nearest_rows_keep_the_choice_and_the_cheaper_misses() -> None:
+    rows = [
+        {"comm_bytes": c, "offload": False, "activation_checkpointing": False, "peak_bytes": p, "fits": f}
+        for c, p, f in [(1, 90, False), (2, 80, False), (3, 50, True), (4, 40, True), (5, 30, True), (6, 20, True)]
+    ]
+    near = nearest_rows(rows, rows[2])
+    assert near[0] is rows[0] and rows[2] in near and rows[1] in near and len(near) == 5
+    assert nearest_rows(rows, None)[0] is rows[5]  # nothing fits: the smallest peaks first
+
+
+def test_presets_are_the_published_shapes() -> None:
+    with torch.device("meta"):
+        model = hf_factory("llama-3-70b", "test")()
+    assert sum(p.numel() for p in model.parameters()) == 70_553_706_496  # Llama-3-70B's parameter count
+    with torch.device("meta"):
+        small = hf_factory("llama-3.2-1b", "test")()
+    assert sum(p.numel() for p in small.parameters()) == 1_235_814_400  # Llama-3.2-1B (tied embeddings)
+    assert set(PRESETS) == {"llama-3.2-1b", "llama-3-8b", "llama-3-70b"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("hf:nobody/not-a-model-xyz", "is not in the local Hugging Face cache"),
+        ("missing_dir/config.json", "has no readable config.json"),
+        ("llama-4-9000", "expected 'pkg.module:factory', a Hugging Face model directory"),
+    ],
+)
+def test_bad_model_specs_are_clear(spec: str, message: str, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["explain", "--model", spec, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
