@@ -293,6 +293,7 @@ def resolve_model(args: argparse.Namespace) -> ModelSpec:
 
 def _transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
+    _quiet_library_imports()
     try:
         import transformers
     except ImportError:
@@ -302,6 +303,15 @@ def _transformers() -> Any:
         ) from None
     transformers.logging.set_verbosity_error()
     return transformers
+
+
+def _quiet_library_imports() -> None:
+    """transformers imports torchao when it is installed; torchao's CPU build logs a warning for each CUDA
+    kernel library it lacks, and torch one for each of its enums. Noise on every rank: errors still show."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def new_model(spec: ModelSpec) -> nn.Module:

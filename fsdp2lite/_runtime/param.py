@@ -384,13 +384,7 @@ class FSDPParam:
         """Register the sharded DTensor on the modules and free the unsharded storage."""
         self._set_on_modules(self.sharded_param)
         if self.unsharded_flat is not None:
-            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: frozen]
-        # Whether a parameter trains is the sharded parameter's ``requires_grad``, read when it is needed: the
-        # unsharded parameter (what autograd sees) takes the value at every unshard, and the reduce-scatter
-        # takes gradients of trainable parameters only. So ``requires_grad_(False)`` on a sharded parameter,
-        # before the first forward or between steps, freezes it: no gradient, nothing for the optimizer.
-
-        # [Note: unsharded storage]
+            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:
             self.unsharded_local.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
