@@ -83,10 +83,7 @@ def fully_shard(
     _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
     snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
     try:
-        params = tuple(
-            FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), mesh_info, policy, shard_dim=dim)
-            for (fqn, param, places), dim in zip(owned, dims)
-        )
+        params = tuple(_make_param(entry, dim, mesh_info, policy, mp_policy) for entry, dim in zip(owned, dims))
         _accept_full_tensors_on_load(params)
         group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
         state = FSDPState(modules, group, mp_policy)
@@ -133,6 +130,11 @@ def _state_of(module: nn.Module) -> FSDPState:
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]
+
+
+def _make_param(entry: Any, dim: int, info: MeshInfo, policy: ParamPolicy, mp_policy: Any) -> FSDPParam:
+    fqn, param, places = entry
+    return FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy)
 
 
 def _check_post_forward(value: Any, info: MeshInfo, owned: list[Any], dims: list[int]) -> None:

@@ -121,6 +121,19 @@ class MeshInfo:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.mesh.device_type)
 
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1D mesh of this rank's shard group (what torch hands an all-gather extension hook)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(
+                "a parameter with torch's all-gather extension hooks on a 2D mesh needs named axes (its hook gets "
+                "the shard axis as a 1D mesh): init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        return self.mesh[names[1]]
+
     def post_forward_group(self, ranks: int) -> tuple[dist.ProcessGroup, int]:
         """(group, rank in it) of this rank's ``ranks`` consecutive shard-group neighbours.
 

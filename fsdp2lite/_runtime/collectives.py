@@ -199,9 +199,13 @@ def issue_all_gather(
 
 def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], list[int]]:
     """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
-    the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather])."""
+    the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather]);
+    a parameter with all-gather hooks contributes its hook's inputs ([Note: all-gather extension])."""
     sources = []
     for param in params:
+        if param.extension is not None:
+            sources.extend(t.view(torch.uint8) for t in param.extension_inputs())
+            continue
         flat = param.flat_shard
         if flat.dtype != param.param_dtype:
             flat = flat.to(param.param_dtype)  # mixed precision: cast first, the buffer holds bytes
@@ -230,10 +234,13 @@ def copy_out_all_gather(
     ``as_bytes``: the output is uint8 and ``numels`` are bytes; each target is viewed as bytes too.
     """
     if as_bytes:
-        outputs = [
-            param.copy_out_view(group_size, numel // param.param_dtype.itemsize).view(torch.uint8)
-            for param, numel in zip(params, numels)
-        ]
+        outputs = []
+        for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
+            if param.extension is not None:
+                outputs.extend(param.extension.output_views(group_size))
+            else:
+                numel = numels[len(outputs)] // param.param_dtype.itemsize
+                outputs.append(param.copy_out_view(group_size, numel).view(torch.uint8))
     else:
         outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
     torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)
@@ -387,7 +394,7 @@ def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]
     new: list[torch.Tensor] = []
     offset = flat.storage_offset()
     for param in params:
-        local = flat.as_strided(param.local_shape, param.local_view.stride(), offset)  # (local_rows, *rest)
+        local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
         offset += param.padded_numel
         if not uniform:
             local = local.to(param.orig_dtype)

@@ -133,6 +133,7 @@ class FSDPParamGroup:
         self.params = params
         self.gather_dtype = _one_dtype(params)
         self._other_dim_params = tuple(p for p in params if p.shard_dim != 0)
+        self._extension_params = tuple(p for p in params if p.extension is not None)
         self.modules = modules
         self.mesh_info = mesh_info
         self.post_forward_group = None
@@ -185,9 +186,15 @@ class FSDPParamGroup:
             check_post_forward_dims(value, self.params)
             if _one_dtype(self.params) is None:
                 dtypes = sorted({str(p.param_dtype).removeprefix("torch.") for p in self.params})
+                hooks = [p.fqn for p in self.params if p.extension is not None]
+                what = (
+                    f"all-gather extension hooks ({', '.join(hooks)})"
+                    if hooks
+                    else f"several dtypes ({', '.join(dtypes)})"
+                )
                 raise ValueError(
-                    f"reshard_after_forward={value} keeps a k-rank shard in one dtype, but this group's parameters "
-                    f"gather in several ({', '.join(dtypes)}); use True or False for it"
+                    f"reshard_after_forward={value} keeps a k-rank shard of the unsharded parameters in one dtype, but "
+                    f"this group's parameters gather with {what}; use True or False for it"
                 )
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
@@ -258,6 +265,8 @@ class FSDPParamGroup:
         copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
+        for param in self._extension_params:
+            param.finish_extension()  # the subclass rebuilds its unsharded tensor: [Note: all-gather extension]
         self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         for param in self.params:
@@ -412,5 +421,7 @@ class FSDPParamGroup:
 
 def _one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
     """The dtype every parameter all-gathers in, or None when they differ ([Note: byte all-gather])."""
+    if any(param.extension is not None for param in params):
+        return None  # a hook's inputs are bytes of its own choosing
     dtypes = {param.param_dtype for param in params}
     return dtypes.pop() if len(dtypes) == 1 else None

@@ -32,7 +32,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
+from .extension import AllGatherExtension, contiguous_stride, ensure_allocated, has_extension
 from .states import ShardedState
 
 
@@ -106,24 +107,6 @@ class ParamPlace:
     name: str
 
 
-def _ensure_allocated(tensor: torch.Tensor) -> None:
-    """Give ``tensor``'s storage its bytes back after a ``resize_(0)`` ([Note: unsharded storage])."""
-    untyped = tensor.untyped_storage()
-    nbytes = int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
-    if untyped.size() < nbytes:
-        untyped.resize_(nbytes)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    """Strides of a contiguous tensor of ``shape`` (computed, not allocated: even a meta tensor shows
-    up as memory in tools that count every device)."""
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 class FSDPParam:
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
@@ -154,6 +137,8 @@ class FSDPParam:
     offload_to_cpu: bool
     pin_memory: bool
     policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
+    extension: AllGatherExtension | None  # torch's all-gather extension hooks: [Note: all-gather extension]
+    mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
 
@@ -165,6 +150,7 @@ class FSDPParam:
         mesh_info: MeshInfo,
         policy: ParamPolicy,
         shard_dim: int = 0,
+        mp_policy: Any = None,
     ) -> None:
         self.fqn = fqn
         self.places = places
@@ -185,15 +171,22 @@ class FSDPParam:
         if isinstance(param, DTensor):  # [Note: tensor parallel]
             self.tp_spec = param._spec  # type: ignore[attr-defined]
             data = param._local_tensor.detach()  # type: ignore[attr-defined]
+        self.extension = AllGatherExtension(data, fqn) if has_extension(data) else None
+        self.mp_policy = mp_policy
+        if self.extension is not None:
+            self.extension.check_supported(shard_dim, isinstance(param, DTensor), policy.offload_to_cpu)
         self.gather_shape = data.shape
         rows, ws, rank = data.shape[shard_dim], mesh_info.shard_size, mesh_info.shard_rank
         self.padded_rows = math.ceil(rows / ws)
         self.local_rows = max(0, min(self.padded_rows, rows - rank * self.padded_rows))
         start = min(rank * self.padded_rows, rows)
         mesh, placements = sharded_placements(mesh_info, shard_dim, self.tp_spec)
-        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.orig_dtype)
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
         self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-        self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
+        if self.extension is not None:  # the subclass's own ops, so the shard stays one
+            self._adopt_padded_shard(self.extension.shard(data, mesh_info, self.padded_shape, self.local_rows))
+        else:
+            self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
         sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]  # not a TP parameter: see api._check_param
         self.sharded_param = cast(DTensor, sharded)
@@ -237,6 +230,10 @@ class FSDPParam:
     def _adopt_padded_shard(self, padded: torch.Tensor) -> None:
         """Make ``padded`` the shard, with the views the hot path reads made once here."""
         self.padded_shard = padded
+        if self.extension is not None:  # gathered through its hooks, never as a flat shard
+            self.flat_shard = padded
+            self.local_view = padded[: self.local_rows]
+            return
         self.flat_shard = padded.view(-1)
         self.local_view = padded.narrow(self.shard_dim, 0, self.local_rows)
 
@@ -254,7 +251,14 @@ class FSDPParam:
     @property
     def padded_numel(self) -> int:
         """Elements of one rank's padded shard: each rank's slot in the flat buffers."""
+        if self.extension is not None:
+            return self.padded_rows * (self.gather_shape.numel() // max(self.gather_shape[0], 1))
         return self.flat_shard.numel()
+
+    @property
+    def grad_stride(self) -> tuple[int, ...]:
+        """Strides of this rank's sharded gradient, a view of the reduced output."""
+        return contiguous_stride(self.local_shape) if self.extension is not None else self.local_view.stride()
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -290,7 +294,10 @@ class FSDPParam:
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         if local is self.local_view:
             return  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
-        self._adopt_padded_shard(self._new_padded_shard(local.detach()))
+        if self.extension is not None:
+            self._adopt_padded_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
+        else:
+            self._adopt_padded_shard(self._new_padded_shard(local.detach()))
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
         if local.dtype != self.orig_dtype:
             self._retype(local.dtype)
@@ -304,7 +311,7 @@ class FSDPParam:
         and reduce dtypes and any kept gradient state follow (the unsharded parameter is made anew)."""
         self.orig_dtype = dtype
         self._set_dtypes(dtype)
-        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), dtype)
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), dtype)
         self.sharded_spec = DTensorSpec(self.sharded_spec.mesh, self.sharded_spec.placements, tensor_meta=meta)
         self.sharded_param._spec = self.sharded_spec  # type: ignore[attr-defined]
         self.accumulated_grad = self.partial_reduced_grad = None
@@ -331,9 +338,9 @@ class FSDPParam:
             self.unsharded_flat = storage.data
             self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
             return self.unsharded_flat
-        _ensure_allocated(self.unsharded_flat)
+        ensure_allocated(self.unsharded_flat)
         if self.unsharded_local is not None and self.shard_dim != 0:
-            _ensure_allocated(self.unsharded_local)
+            ensure_allocated(self.unsharded_local)
         return self.unsharded_flat
 
     def _unsharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
@@ -341,7 +348,7 @@ class FSDPParam:
         spec = self.tp_spec
         if spec is None:
             return local
-        meta = TensorMeta(self.orig_shape, _contiguous_stride(self.orig_shape), self.param_dtype)
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.param_dtype)
         return make_dtensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
 
     def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
@@ -370,6 +377,24 @@ class FSDPParam:
             target.narrow(d, full * rows, rest).copy_(chunks.select(d, full).narrow(d, 0, rest))
         self.unsharded_flat.untyped_storage().resize_(0)
 
+    def extension_inputs(self) -> list[torch.Tensor]:
+        """This rank's all-gather inputs from the subclass's pre-all-gather hook (flat, plain tensors)."""
+        if self.extension is None:
+            raise RuntimeError(f"{self.fqn}: extension_inputs() on a parameter without all-gather hooks")
+        module = self.places[0].module
+        return self.extension.inputs(
+            self.padded_shard, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy
+        )
+
+    def finish_extension(self) -> None:
+        """After the copy-out into the extension's output buffers: build or refill the unsharded tensor."""
+        if self.extension is None:
+            raise RuntimeError(f"{self.fqn}: finish_extension() on a parameter without all-gather hooks")
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        made = self.extension.unsharded(local, self.param_dtype, self.orig_shape, self.unsharded_param)
+        if made is not None:
+            self.unsharded_param = nn.Parameter(made, requires_grad=self.sharded_param.requires_grad)
+
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules."""
         unsharded = self.unsharded_param
@@ -383,6 +408,8 @@ class FSDPParam:
     def to_sharded(self) -> None:
         """Register the sharded DTensor on the modules and free the unsharded storage."""
         self._set_on_modules(self.sharded_param)
+        if self.extension is not None:
+            self.extension.free()  # [Note: all-gather extension]
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:

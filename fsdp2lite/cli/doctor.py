@@ -24,7 +24,7 @@ INTEGRATIONS = (
     ("transformers native FSDP2", "transformers.distributed.fsdp", "fl.patch() before importing model classes"),
     ("Accelerate FSDP2", "accelerate.utils.fsdp_utils", "fsdp2lite.integrations.accelerate.install()"),
     ("Lightning ModelParallelStrategy", "pytorch_lightning.strategies", "fl.fully_shard in configure_model"),
-    ("torchao (tensor-subclass all-gather)", "torchao", "not yet: see README"),
+    ("torchao (NF4/float8 weights)", "torchao", "fully_shard as usual: all-gather hooks are honoured"),
 )
 
 
