@@ -15,14 +15,15 @@ from .estimate import MemoryEstimate, estimate_memory
 from .integrations import PatchReport, patch, unpatch
 from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .trace import record_trace
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .trace import count_wire_bytes, record_trace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
     "CheckpointError",
+    "CommPolicy",
     "ConfigError",
     "FSDPConfig",
     "FSDPModule",
@@ -33,6 +34,7 @@ __all__ = [
     "UnshardHandle",
     "__version__",
     "apply_config",
+    "count_wire_bytes",
     "estimate_memory",
     "fully_shard",
     "init_mesh",

@@ -25,7 +25,14 @@ from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy, reduce_dtype_problem
+from .policies import (
+    CommPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    from_torch_policy,
+    reduce_dtype_problem,
+)
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -48,6 +55,7 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    comm_policy: CommPolicy | None = None,
 ) -> M:
     """Shard ``module`` (or a list of modules, as one group) over ``mesh``; returns it, now an FSDPModule.
 
@@ -67,12 +75,17 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters and gradients on the host
             (the optimizer steps there); None or ``OffloadPolicy()``: no offload.
         ignored_params: parameters left unsharded and unreduced.
+        comm_policy: ``CommPolicy(all_gather="int8"|"fp8", block_size=256, reduce_scatter="all_to_all"|"int8")``:
+            fewer bytes on the wire, full precision everywhere else (README, "Communication"); None sends as
+            torch's fully_shard does.
         dp_mesh_dims: torch's SPMD form; not supported: anything but None raises, naming the sub-mesh to pass.
     """
     _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
     check_reshard_after_forward(reshard_after_forward)
     mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy)
+    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
+        raise TypeError(f"comm_policy must be a fsdp2lite.CommPolicy or None, got {type(comm_policy).__name__}")
     ignored = _check_ignored(ignored_params)
     owned = _collect_params(modules, ignored)
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
@@ -86,6 +99,8 @@ def fully_shard(
         params = tuple(_make_param(entry, dim, mesh_info, policy, mp_policy) for entry, dim in zip(owned, dims))
         _accept_full_tensors_on_load(params)
         group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
+        if group is not None and comm_policy is not None:
+            group.set_comm_policy(comm_policy)
         state = FSDPState(modules, group, mp_policy)
         for m in modules:
             m._fsdp_state = state  # type: ignore[assignment]

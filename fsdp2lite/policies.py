@@ -6,10 +6,19 @@ Dtype fields take a ``torch.dtype`` or one of its names and always hold a ``torc
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -115,6 +124,50 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``pin_memory`` by keyword or positionally, as torch's dataclass."""
         super().__init__(**_positional("CPUOffloadPolicy", ("pin_memory",), args, kwargs))
+
+
+class CommPolicy(BaseModel):
+    """How a group's collectives encode what they send: fewer bytes on the wire, the same math on both
+    ends. The parameters, their gradients, the optimizer and checkpoints stay in their own precision; only
+    what crosses the network is quantized, so its error never accumulates in the weights."""
+
+    model_config = _FROZEN
+
+    all_gather: Literal["int8", "fp8"] | None = Field(
+        None,
+        description="quantize each parameter shard for the all-gather: int8 with one fp32 absmax scale per "
+        "block (0.25x fp32's bytes, 0.5x bf16's), or fp8 e4m3 likewise; dequantized into param_dtype after it. "
+        "None sends param_dtype.",
+    )
+    block_size: int = Field(
+        256, description="elements per scale block of a quantized collective (one fp32 scale each; 16 .. 65536)"
+    )
+    reduce_scatter: Literal["all_to_all", "int8"] | None = Field(
+        None,
+        description="all_to_all: each rank sends rank j its j-th chunk and sums what it receives in "
+        "reduce_dtype (half the bytes of gloo's all-reduce); int8: the same with int8 chunks and block scales, "
+        "summed in fp32. None: the backend's reduce-scatter (gloo: the in-place all-reduce).",
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if isinstance(value, bool) or not 16 <= value <= 65536:
+            raise ValueError(f"block_size must be an integer from 16 to 65536, got {value!r}")
+        return value
+
+    @field_validator("all_gather")
+    @classmethod
+    def _fp8_available(cls, value: str | None) -> str | None:
+        if value == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(
+                f"all_gather='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; use 'int8'"
+            )
+        return value
+
+    @property
+    def active(self) -> bool:
+        return self.all_gather is not None or self.reduce_scatter is not None
 
 
 def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

@@ -124,3 +124,34 @@ def summarize(events: list[dict[str, Any]]) -> list[GroupSummary]:
         for group in counts
     ]
     return sorted(rows, key=lambda row: -row.exposed_ms)
+
+
+@contextmanager
+def count_wire_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Count the bytes this rank sends in ``model``'s collectives while the block runs, per kind:
+    ``all_gather``, ``reduce_scatter`` (a native one), ``all_reduce`` (gloo's in-place reduction),
+    ``all_to_all`` (``CommPolicy.reduce_scatter``) and ``replica_all_reduce`` (HSDP). Counted where each
+    collective is issued, from its buffer's size and group (a ring's share: (N-1)/N of an all-gather's
+    output, 2(N-1)/N of an all-reduce's buffer), so the numbers are exact and free of timing.
+
+        with fl.count_wire_bytes(model) as sent:
+            loss = model(x).sum(); loss.backward()
+        sent["all_gather"]
+    """
+    from .module import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"count_wire_bytes takes the root module fully_shard was applied to, got {type(model).__name__}"
+        )
+    counts: dict[str, int] = {}
+    state = model._fsdp_state
+    state.wire_counts = counts  # handed to the shared Comm at lazy init, if that is still to come
+    if state.root_context is not None and state.root_context.comm is not None:
+        state.root_context.comm.wire = counts
+    try:
+        yield counts
+    finally:
+        state.wire_counts = None
+        if state.root_context is not None and state.root_context.comm is not None:
+            state.root_context.comm.wire = None

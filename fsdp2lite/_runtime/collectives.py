@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from .comm import Comm
 from .param import FSDPParam, make_dtensor
+from .quantize import exchange_rows, sum_received
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -155,6 +156,8 @@ class ReduceScatterResult(NamedTuple):
     params: tuple[FSDPParam, ...]
     work: dist.Work | None
     event: torch.cuda.Event | None
+    mode: str | None = None  # CommPolicy.reduce_scatter: the output is received rows to sum
+    block: int = 0  # int8 mode: elements per scale block
 
 
 def issue_all_gather(
@@ -194,10 +197,11 @@ def issue_all_gather(
             )
         elif group_size > 1:  # one rank: the copy-in already wrote the whole output, as torch sends nothing
             work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
+    comm.count("all_gather", (group_size - 1) * all_gather_input.nbytes)  # a ring: every other rank's slot
     return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
 
 
-def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], list[int]]:
+def byte_sources(params: tuple[FSDPParam, ...], group_size: int) -> tuple[list[torch.Tensor], list[int]]:
     """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
     the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather]);
     a parameter with all-gather hooks contributes its hook's inputs ([Note: all-gather extension])."""
@@ -205,6 +209,9 @@ def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], lis
     for param in params:
         if param.extension is not None:
             sources.extend(t.view(torch.uint8) for t in param.extension_inputs())
+            continue
+        if param.quantized is not None:  # codes and scales: [Note: quantized collectives]
+            sources.extend(t.view(torch.uint8) for t in param.quantized.inputs(param.flat_shard, group_size))
             continue
         flat = param.flat_shard
         if flat.dtype != param.param_dtype:
@@ -238,6 +245,8 @@ def copy_out_all_gather(
         for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
             if param.extension is not None:
                 outputs.extend(param.extension.output_views(group_size))
+            elif param.quantized is not None:
+                outputs.extend(param.quantized.output_views(group_size))
             else:
                 numel = numels[len(outputs)] // param.param_dtype.itemsize
                 outputs.append(param.copy_out_view(group_size, numel).view(torch.uint8))
@@ -280,8 +289,11 @@ def issue_reduce_scatter(
     in_place: bool,
     comm: Comm,
     custom: Any = None,
+    mode: str | None = None,
+    block: int = 0,
 ) -> ReduceScatterResult:
-    """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum).
+    """Lay the unsharded grads out rank-major in one flat buffer and start one reduce-scatter(sum);
+    ``mode`` (CommPolicy.reduce_scatter): as an all-to-all of the rows ([Note: quantized collectives]).
 
     Takes the caller's list and empties it once the copy-in has read the grads, so they are freed
     then, not when the reduce-scatter is waited on ([Note: buffer lifetime]).
@@ -295,6 +307,12 @@ def issue_reduce_scatter(
     # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
     chunk_cat(grads, shard_size, rank_major)
     grads.clear()  # the last references: the grads are freed now
+    if mode is not None and shard_size > 1 and custom is None:
+        with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
+            send, received, work = exchange_rows(rank_major, mode, block, group, comm.async_work)
+        comm.count("all_to_all", send.nbytes * (shard_size - 1) // shard_size)  # every row but its own
+        event = comm.record("reduce_scatter")
+        return ReduceScatterResult(received, send, False, params, work, event, mode, block)
     in_place = in_place or (shard_size == 1 and custom is None)  # one rank: the input is the output
     if in_place:
         reduce_scatter_output = rank_major[shard_rank]  # (group_numel,) view: [Note: gloo reduce-scatter]
@@ -311,6 +329,8 @@ def issue_reduce_scatter(
             work = _reduce_scatter_flat(
                 reduce_scatter_output, reduce_scatter_input, group=group, in_place=in_place, async_op=comm.async_work
             )
+            ring = reduce_scatter_input.nbytes * (shard_size - 1) // shard_size
+            comm.count("all_reduce" if in_place else "reduce_scatter", 2 * ring if in_place else ring)
     event = comm.record("reduce_scatter")
     return ReduceScatterResult(reduce_scatter_output, reduce_scatter_input, in_place, params, work, event)
 
@@ -335,7 +355,10 @@ def finish_reduce_scatter(
     """
     comm.wait(result.work, result.event)  # CPU: the output is written; CUDA: compute orders after it
     output = result.reduce_scatter_output
-    if result.in_place:
+    if result.mode is not None:  # the rows every rank sent this one, summed: [Note: quantized collectives]
+        group_numel = sum(p.padded_numel for p in result.params)
+        output = sum_received(output, result.mode, group_numel, result.block, result.params[0].reduce_dtype)
+    elif result.in_place:
         output = output.clone()  # (group_numel,), off the flat input: [Note: gloo reduce-scatter]
     comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
     if replicate_group is not None:
@@ -347,6 +370,8 @@ def finish_reduce_scatter(
         with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
             folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
             work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
+            replicas = dist.get_world_size(replicate_group)
+            comm.count("replica_all_reduce", 2 * output.nbytes * (replicas - 1) // replicas)
         comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
         del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
     if divide_factor != 1.0:

@@ -42,6 +42,7 @@ class Comm:
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
     recorder: TraceRecorder | None  # None: tracing off, and free
     wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
+    wire: dict[str, int] | None  # while set (fl.count_wire_bytes): bytes this rank sent, per collective kind
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -51,6 +52,12 @@ class Comm:
             self.streams = {name: torch.cuda.Stream(device, priority=-1) for name in STREAM_NAMES}
         self.recorder = None
         self.wait_instead = None
+        self.wire = None
+
+    def count(self, kind: str, sent: int) -> None:
+        """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""
+        if self.wire is not None:
+            self.wire[kind] = self.wire.get(kind, 0) + sent
 
     @property
     def async_work(self) -> bool:

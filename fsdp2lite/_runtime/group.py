@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..mesh import MeshInfo
-from ..policies import reduce_dtype_problem
+from ..policies import CommPolicy, reduce_dtype_problem
 from .collectives import (
     AllGatherResult,
     ReduceScatterResult,
@@ -37,6 +37,7 @@ from .collectives import (
 )
 from .comm import Comm
 from .param import FSDPParam
+from .quantize import QuantizedGather
 from .states import ShardedState, TrainingState
 
 
@@ -114,6 +115,7 @@ class FSDPParamGroup:
     reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
     custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
     custom_reduce_scatter: Any  # torch's ReduceScatter protocol, or None
+    comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
 
     def reduce_dtype_problem(self) -> str | None:
         """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
@@ -161,6 +163,7 @@ class FSDPParamGroup:
         self.reduce_scatter_group = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
+        self.set_comm_policy(CommPolicy())
 
     @property
     def comm(self) -> Comm:
@@ -210,6 +213,17 @@ class FSDPParamGroup:
         )
         self.post_forward_group = post_forward_group
 
+    def set_comm_policy(self, policy: CommPolicy) -> None:
+        """Quantize the floating-point parameters' all-gather (not those with hooks of their own) and pick
+        the reduce-scatter's form ([Note: quantized collectives])."""
+        self.comm_policy = policy
+        for param in self.params:
+            quantize = policy.all_gather is not None and param.extension is None and param.orig_dtype.is_floating_point
+            param.quantized = (
+                QuantizedGather(policy.all_gather, policy.block_size, param.padded_numel) if quantize else None
+            )
+        self._quantized_params = tuple(p for p in self.params if p.quantized is not None)
+
     def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
         """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
         rank set between groups), or None to use the shard group."""
@@ -242,16 +256,18 @@ class FSDPParamGroup:
             self.pending_unshard = PendingUnshard(result, sub.size, numels, as_bytes=False)
         else:
             info = self.mesh_info
-            if dtype is not None:
+            as_bytes = dtype is None or bool(self._quantized_params)
+            if not as_bytes:
                 sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
                 numels = [p.padded_numel for p in self.params]
             else:
-                sources, numels = byte_sources(self.params)
+                sources, numels = byte_sources(self.params, info.shard_size)
             result = issue_all_gather(
-                sources, numels, info.shard_group, info.shard_size, info.shard_rank, dtype or torch.uint8, self.comm,
+                sources, numels, info.shard_group, info.shard_size, info.shard_rank,
+                torch.uint8 if as_bytes else dtype, self.comm,
                 self.custom_all_gather,
             )  # fmt: skip
-            self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=dtype is None)
+            self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=as_bytes)
         self.trace("all_gather_issue")
 
     def wait_for_unshard(self) -> None:
@@ -263,6 +279,11 @@ class FSDPParamGroup:
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
         copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
+        for param in self._quantized_params:  # decode every rank's slot: [Note: quantized collectives]
+            if pending.as_bytes:  # (a k-rank post-forward re-gather sends the unsharded values as they are)
+                param.quantized.decode_into(
+                    param.copy_out_view(pending.group_size, param.padded_numel), pending.group_size
+                )
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         for param in self._extension_params:
@@ -339,6 +360,7 @@ class FSDPParamGroup:
         self.reduce_scatter_result = issue_reduce_scatter(
             tuple(params), grads, group, info.shard_rank, info.shard_size, dtype,
             self._in_place_reduce and self.custom_reduce_scatter is None, self.comm, self.custom_reduce_scatter,
+            self.comm_policy.reduce_scatter, self.comm_policy.block_size,
         )  # fmt: skip
         self.trace("reduce_scatter_issue")
 

@@ -274,6 +274,7 @@ class FSDPState:
     schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
     step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
+    wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Comm likewise
     shared_comm: SharedComm | None  # as root: a Comm shared with other roots (``share_comm_ctx``)
 
     def __init__(
@@ -288,6 +289,7 @@ class FSDPState:
         self.schedule_overrides = {}
         self.step_settings = {}
         self.trace_recorder = None
+        self.wire_counts = None
         self.shared_comm = None
         for module in modules:
             module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
@@ -324,6 +326,7 @@ class FSDPState:
         context = RootContext(states, self.schedule_overrides, self.shared_comm)
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
+            context.comm.wire = self.wire_counts
         if self.trace_recorder is not None:
             self.trace_recorder.schedule = context.schedule_settings()
         for state in (*states[1:], self):  # the root's own settings win
