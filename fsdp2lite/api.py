@@ -75,17 +75,14 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters and gradients on the host
             (the optimizer steps there); None or ``OffloadPolicy()``: no offload.
         ignored_params: parameters left unsharded and unreduced.
-        comm_policy: ``CommPolicy(all_gather="int8"|"fp8", block_size=256, reduce_scatter="all_to_all"|"int8")``:
-            fewer bytes on the wire, full precision everywhere else (README, "Communication"); None sends as
-            torch's fully_shard does.
+        comm_policy: ``CommPolicy(all_gather="int8", reduce_scatter="all_to_all", ...)``: fewer bytes on the
+            wire, full precision elsewhere (README, "Communication"); None sends as torch's fully_shard does.
         dp_mesh_dims: torch's SPMD form; not supported: anything but None raises, naming the sub-mesh to pass.
     """
     _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
     check_reshard_after_forward(reshard_after_forward)
-    mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy)
-    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
-        raise TypeError(f"comm_policy must be a fsdp2lite.CommPolicy or None, got {type(comm_policy).__name__}")
+    mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy, comm_policy)
     ignored = _check_ignored(ignored_params)
     owned = _collect_params(modules, ignored)
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
@@ -98,9 +95,7 @@ def fully_shard(
     try:
         params = tuple(_make_param(entry, dim, mesh_info, policy, mp_policy) for entry, dim in zip(owned, dims))
         _accept_full_tensors_on_load(params)
-        group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward) if params else None
-        if group is not None and comm_policy is not None:
-            group.set_comm_policy(comm_policy)
+        group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy) if params else None
         state = FSDPState(modules, group, mp_policy)
         for m in modules:
             m._fsdp_state = state  # type: ignore[assignment]
@@ -268,7 +263,11 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
     return modules
 
 
-def _resolve_policies(mp_policy: Any, offload_policy: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+def _resolve_policies(
+    mp_policy: Any, offload_policy: Any, comm_policy: Any = None
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
+        raise TypeError(f"comm_policy must be a fsdp2lite.CommPolicy or None, got {type(comm_policy).__name__}")
     mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)  # torch's too
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()

@@ -167,3 +167,34 @@ def test_comm_policy_type_and_off_is_the_default() -> None:
     layer = fl.fully_shard(nn.Linear(4, 4), comm_policy=fl.CommPolicy())
     assert all(p.quantized is None for p in layer._fsdp_state.group.params)  # off: today's path, untouched
     assert math.isclose(encoded_sizes(100, 16)[0], 112)
+
+
+@pytest.mark.usefixtures("single_rank_pg")
+def test_yaml_communication_per_rule(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``communication:`` at the top and per rule; a rule's fields override, the others are inherited."""
+    path = tmp_path / "comm.yaml"
+    path.write_text(
+        "communication: {reduce_scatter: all_to_all}\n"
+        "wrap:\n  - match: {class: UnevenBlock}\n    communication: {all_gather: int8, block_size: 32}\n"
+    )
+    model = fl.apply_config(UnevenMLP(), fl.FSDPConfig.from_yaml(path))
+    block = model.blocks[0]._fsdp_state.group.comm_policy
+    assert (block.all_gather, block.reduce_scatter, block.block_size) == ("int8", "all_to_all", 32)
+    root = model._fsdp_state.group.comm_policy
+    assert (root.all_gather, root.reduce_scatter) == (None, "all_to_all")
+    assert all(p.quantized is not None for p in model.blocks[0]._fsdp_state.group.params)
+    assert all(p.quantized is None for p in model._fsdp_state.group.params)
+
+
+def test_deepspeed_zero_plus_plus_quantization_migrates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fsdp2lite.migrate import migrate
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"zero_optimization": {"stage": 3, "zero_quantized_weights": true, "zero_quantized_gradients": true}}'
+    )
+    result = migrate("deepspeed", path)
+    assert result.config.communication == fl.CommPolicy(all_gather="int8", reduce_scatter="int8")
+    statuses = {k.key: k.status for k in result.keys}
+    assert statuses["zero_optimization.zero_quantized_weights"] == "mapped"
+    assert "all_gather: int8  # from zero_optimization.zero_quantized_weights" in result.yaml()

@@ -130,6 +130,7 @@ class FSDPParamGroup:
         modules: tuple[nn.Module, ...],
         mesh_info: MeshInfo,
         reshard_after_forward: bool | int | None,
+        comm_policy: CommPolicy | None = None,
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
@@ -163,7 +164,7 @@ class FSDPParamGroup:
         self.reduce_scatter_group = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
-        self.set_comm_policy(CommPolicy())
+        self.set_comm_policy(comm_policy or CommPolicy())
 
     @property
     def comm(self) -> Comm:

@@ -294,6 +294,11 @@ def policy_lines(row: GroupRow) -> list[str]:
     if not policy.mixed_precision.cast_forward_inputs:
         mixed += " cast_forward_inputs=false"
     lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
+    comm = policy.communication
+    if comm.active:
+        parts = [f"all_gather={comm.all_gather}"] if comm.all_gather else []
+        parts += [f"reduce_scatter={comm.reduce_scatter}"] if comm.reduce_scatter else []
+        lines.append(f"communication: {' '.join(parts)} block_size={comm.block_size}")
     flags = [
         text
         for text, on in (

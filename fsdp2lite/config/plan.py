@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..policies import MixedPrecisionPolicy, reduce_dtype_problem
+from ..policies import CommPolicy, MixedPrecisionPolicy, reduce_dtype_problem
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
 
@@ -29,6 +29,7 @@ class GroupPolicy:
     reduce_scatter_unused_params: bool = False
     unshard_in_backward: bool = True
     activation_checkpointing: bool = False
+    communication: CommPolicy = field(default_factory=CommPolicy)
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         value = self.reshard_after_forward
@@ -36,6 +37,7 @@ class GroupPolicy:
             "reshard_after_forward": None if value == "auto" else value,
             "mp_policy": self.mixed_precision,
             "offload_policy": self.offload.to_policy(),
+            "comm_policy": self.communication if self.communication.active else None,
         }
 
 
@@ -68,8 +70,9 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     nothing, parameters tied across groups, 0-dim parameters."""
     plan = Plan()
     top = GroupPolicy(
-        config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params
-    )
+        config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params,
+        communication=config.communication,
+    )  # fmt: skip
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
     for path, module in model.named_modules():
         if path == "":
@@ -202,6 +205,10 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
         overrides = {k: getattr(rule.mixed_precision, k) for k in rule.mixed_precision.model_fields_set}
         mixed = mixed.model_copy(update=overrides)
     unused = top.reduce_scatter_unused_params
+    communication = top.communication
+    if rule.communication is not None:
+        overrides = {k: getattr(rule.communication, k) for k in rule.communication.model_fields_set}
+        communication = communication.model_copy(update=overrides)
     return GroupPolicy(
         top.reshard_after_forward if rule.reshard_after_forward is None else rule.reshard_after_forward,
         mixed,
@@ -209,6 +216,7 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
         unused if rule.reduce_scatter_unused_params is None else rule.reduce_scatter_unused_params,
         rule.unshard_in_backward,
         rule.activation_checkpointing,
+        communication,
     )
 
 

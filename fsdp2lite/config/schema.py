@@ -34,7 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..mesh import resolve_mesh_degrees
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
+from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
 from .errors import ConfigError, Problem
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
@@ -181,6 +181,9 @@ class WrapRule(BaseModel):
         None, description="overrides the top-level fields it sets; the others are inherited"
     )
     offload: OffloadConfig | None = Field(None, description="overrides the top-level offload")
+    communication: CommPolicy | None = Field(
+        None, description="overrides the top-level fields it sets; the others are inherited"
+    )
     reduce_scatter_unused_params: bool | None = Field(None, description="overrides the top-level value")
     unshard_in_backward: bool = Field(
         True, description="false: never all-gather these groups in backward (their backward needs no values)"
@@ -213,6 +216,10 @@ class FSDPConfig(BaseModel):
         default_factory=MixedPrecisionPolicy, description="top-level mixed precision"
     )
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="top-level offload")
+    communication: CommPolicy = Field(
+        default_factory=CommPolicy,
+        description="what the collectives send: quantized all-gather, all-to-all reduce-scatter (see CommPolicy)",
+    )
     wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
     ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
     shard_placement: list[ShardPlacementRule] = Field(

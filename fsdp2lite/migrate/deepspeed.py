@@ -77,6 +77,19 @@ def _ds_dtype(dtype: str) -> Handler:
     return handle
 
 
+def _ds_quantized(collective: str, kind: str) -> Handler:
+    """ZeRO++ qwZ / qgZ: int8 block-quantized all-gathers / gradient reductions (CommPolicy)."""
+
+    def handle(m: Migration, value: Any) -> str:
+        if value is not True:
+            return f"nothing ({value!r}: off)"
+        key = "zero_quantized_weights" if collective == "all_gather" else "zero_quantized_gradients"
+        set_key(m, f"communication.{collective}", kind, f"zero_optimization.{key}")
+        return f"communication.{collective}: {kind}"
+
+    return handle
+
+
 def _ds_comm_dtype(m: Migration, value: Any) -> str:
     dtype = DTYPES.get(str(value))
     if dtype is None:
@@ -133,8 +146,8 @@ DEEPSPEED: dict[str, Rule] = {
     "zero_optimization.offload_param.buffer_size": ("dropped", "nvme offload buffers: no nvme offload"),
     "zero_optimization.offload_param.nvme_path": ("unsupported", "nvme offload"),
     "zero_optimization.offload_optimizer.nvme_path": ("unsupported", "nvme offload"),
-    "zero_optimization.zero_quantized_weights": ("unsupported", "quantized all-gathers (ZeRO++ qwZ)"),
-    "zero_optimization.zero_quantized_gradients": ("unsupported", "quantized reduce-scatters (ZeRO++ qgZ)"),
+    "zero_optimization.zero_quantized_weights": _ds_quantized("all_gather", "int8"),
+    "zero_optimization.zero_quantized_gradients": _ds_quantized("reduce_scatter", "int8"),
     "gradient_accumulation_steps": ("dropped", "use set_requires_gradient_sync(False) on all but the last microbatch"),
     "fp16.loss_scale": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
     "fp16.initial_scale_power": ("dropped", "no loss scaler in fsdp2lite: use torch.amp.GradScaler"),
