@@ -71,9 +71,10 @@ def check_bytes_and_math(rank: int, world_size: int) -> None:
         codes, scales = encoded_sizes(numel, block)
         return codes + 4 * scales  # int8 codes and fp32 scales
 
-    int8_gather = sum((n - 1) * sum(encoded(p) for p in g) for g in slots) + sum(
-        (n - 1) * sum(encoded(p) for p in g) for g in slots[:-1]
-    )
+    def gathered(group: list[int]) -> int:  # each parameter's segment padded to whole blocks
+        return sum(encoded(numel) for numel in group)
+
+    int8_gather = sum((n - 1) * gathered(g) for g in slots) + sum((n - 1) * gathered(g) for g in slots[:-1])
     int8_reduce = sum(n * encoded(sum(g)) * (n - 1) // n for g in slots)
     assert sent_int8 == {"all_gather": int8_gather, "all_to_all": int8_reduce}, sent_int8
     # this tiny model's 2-row head and 37-element biases pad to whole blocks: well under half of fp32's bytes
@@ -102,7 +103,7 @@ def check_gathered_weights_within_the_bound(rank: int, world_size: int) -> None:
         model(mlp_batch(0, rank)[0].to(dtype or torch.float32))
         gathered = seen["w"].float()
         assert gathered.dtype == torch.float32 and seen["w"].dtype == (dtype or torch.float32)
-        absmax = _block_absmax(exact, world_size, 16)
+        absmax = _block_absmax(model.blocks[0]._fsdp_state.group, "mid.weight", world_size, 16)
         if kind == "int8":
             bound = absmax / 254 + (exact.abs() * 2**-8 if dtype is torch.bfloat16 else 0)
         else:
@@ -112,15 +113,28 @@ def check_gathered_weights_within_the_bound(rank: int, world_size: int) -> None:
         assert relative < (0.01 if kind == "int8" else 0.05), (kind, relative)
 
 
-def _block_absmax(exact: torch.Tensor, shards: int, block: int) -> torch.Tensor:
-    """Each element's block absmax, blocks laid out as the encoder lays them: from the start of each rank's
-    torch.chunk shard (rows), ``block`` elements each."""
-    pieces = []
-    for shard in torch.chunk(exact, shards, dim=0):
-        flat = shard.flatten()
-        blocks = torch.nn.functional.pad(flat, (0, (-flat.numel()) % block)).view(-1, block)
-        pieces.append(blocks.abs().amax(dim=1, keepdim=True).expand(-1, block).flatten()[: flat.numel()])
-    return torch.cat(pieces).view_as(exact)
+def _block_absmax(group: Any, fqn: str, shards: int, block: int) -> torch.Tensor:
+    """Each element of parameter ``fqn``'s block absmax, blocks laid out as the encoder lays them: each rank
+    encodes its slot of the group, every parameter's padded torch.chunk shard in a segment of whole blocks."""
+    per_rank: list[torch.Tensor] = []
+    for rank in range(shards):
+        pieces: list[torch.Tensor] = []
+        start = count = 0
+        for param in group.params:
+            whole = full(param.sharded_param.detach()).float()
+            chunks = torch.chunk(whole, shards, dim=0)
+            rows = chunks[rank] if rank < len(chunks) else whole[:0]
+            padded = torch.zeros(-(-param.padded_numel // block) * block)  # its segment: whole blocks
+            padded[: rows.numel()] = rows.flatten()
+            if param.fqn == fqn:
+                start, count = sum(p.numel() for p in pieces), rows.numel()
+            pieces.append(padded)
+        slot = torch.cat(pieces)
+        blocks = torch.nn.functional.pad(slot, (0, (-slot.numel()) % block)).view(-1, block)
+        absmax = blocks.abs().amax(dim=1, keepdim=True).expand(-1, block).flatten()
+        per_rank.append(absmax[start : start + count])
+    target = next(p for p in group.params if p.fqn == fqn)
+    return torch.cat(per_rank).view(target.orig_shape)
 
 
 def check_hsdp_keeps_its_replica_all_reduce(rank: int, world_size: int) -> None:
@@ -159,13 +173,29 @@ def test_bad_comm_policies(kwargs: dict[str, Any], message: str) -> None:
         fl.CommPolicy(**kwargs)
 
 
+class WithCodes(nn.Module):
+    """A frozen int8 parameter beside a Linear: no single floating-point slot to quantize."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.codes = nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
 @pytest.mark.usefixtures("single_rank_pg")
 def test_comm_policy_type_and_off_is_the_default() -> None:
     with pytest.raises(TypeError, match="comm_policy must be a fsdp2lite.CommPolicy or None, got dict"):
         fl.fully_shard(nn.Linear(2, 2), comm_policy={"all_gather": "int8"})  # type: ignore[arg-type]
     assert not fl.CommPolicy().active and fl.CommPolicy(all_gather="int8").active
     layer = fl.fully_shard(nn.Linear(4, 4), comm_policy=fl.CommPolicy())
-    assert all(p.quantized is None for p in layer._fsdp_state.group.params)  # off: today's path, untouched
+    assert not layer._fsdp_state.group.comm_policy.active  # off: today's path, untouched
+    block = WithCodes()
+    with pytest.raises(ValueError, match=r"quantizes a group's parameters together, but these are not plain .*: codes"):
+        fl.fully_shard(block, comm_policy=fl.CommPolicy(all_gather="int8"))
+    assert not isinstance(block, fl.FSDPModule)  # nothing changed
     assert math.isclose(encoded_sizes(100, 16)[0], 112)
 
 
@@ -182,8 +212,6 @@ def test_yaml_communication_per_rule(tmp_path) -> None:  # type: ignore[no-untyp
     assert (block.all_gather, block.reduce_scatter, block.block_size) == ("int8", "all_to_all", 32)
     root = model._fsdp_state.group.comm_policy
     assert (root.all_gather, root.reduce_scatter) == (None, "all_to_all")
-    assert all(p.quantized is not None for p in model.blocks[0]._fsdp_state.group.params)
-    assert all(p.quantized is None for p in model._fsdp_state.group.params)
 
 
 def test_deepspeed_zero_plus_plus_quantization_migrates(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -46,7 +46,7 @@ def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]
     """Wrap the runtime's collective entry points; record (kind, group, numel) per call."""
     calls: list[tuple[str, dist.ProcessGroup, int]] = []
     originals = {
-        name: getattr(collectives, name) for name in ("_all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
+        name: getattr(collectives, name) for name in ("all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
     }
 
     def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +56,7 @@ def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]
 
         return recorder
 
-    collectives._all_gather_flat = wrap("all_gather", originals["_all_gather_flat"])
+    collectives.all_gather_flat = wrap("all_gather", originals["all_gather_flat"])
     collectives._reduce_scatter_flat = wrap("reduce_scatter", originals["_reduce_scatter_flat"])
     collectives._all_reduce = wrap("all_reduce", originals["_all_reduce"])
     try:

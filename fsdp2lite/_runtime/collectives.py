@@ -76,12 +76,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from .comm import AllGatherResult, Comm, all_gather_flat
 from .param import FSDPParam, make_dtensor
 from .quantize import exchange_rows, sum_received
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -138,15 +137,6 @@ def _reduce_scatter_flat(
     )
 
 
-class AllGatherResult(NamedTuple):
-    """An all-gather in flight, holding its buffer until the consumer has waited on it."""
-
-    all_gather_output: torch.Tensor  # (group_size * group_numel,)
-    all_gather_input: torch.Tensor  # (group_numel,): this rank's slot of all_gather_output
-    work: dist.Work | None  # CPU: wait on it
-    event: torch.cuda.Event | None  # CUDA: the compute stream waits on it
-
-
 class ReduceScatterResult(NamedTuple):
     """A reduce-scatter in flight, with the parameters its output slots belong to."""
 
@@ -196,12 +186,12 @@ def issue_all_gather(
                 output_tensor=all_gather_output, input_tensor=all_gather_input, group=group, async_op=comm.async_work
             )
         elif group_size > 1:  # one rank: the copy-in already wrote the whole output, as torch sends nothing
-            work = _all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
+            work = all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
     comm.count("all_gather", (group_size - 1) * all_gather_input.nbytes)  # a ring: every other rank's slot
     return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
 
 
-def byte_sources(params: tuple[FSDPParam, ...], group_size: int) -> tuple[list[torch.Tensor], list[int]]:
+def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], list[int]]:
     """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
     the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather]);
     a parameter with all-gather hooks contributes its hook's inputs ([Note: all-gather extension])."""
@@ -209,9 +199,6 @@ def byte_sources(params: tuple[FSDPParam, ...], group_size: int) -> tuple[list[t
     for param in params:
         if param.extension is not None:
             sources.extend(t.view(torch.uint8) for t in param.extension_inputs())
-            continue
-        if param.quantized is not None:  # codes and scales: [Note: quantized collectives]
-            sources.extend(t.view(torch.uint8) for t in param.quantized.inputs(param.flat_shard, group_size))
             continue
         flat = param.flat_shard
         if flat.dtype != param.param_dtype:
@@ -245,8 +232,6 @@ def copy_out_all_gather(
         for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
             if param.extension is not None:
                 outputs.extend(param.extension.output_views(group_size))
-            elif param.quantized is not None:
-                outputs.extend(param.quantized.output_views(group_size))
             else:
                 numel = numels[len(outputs)] // param.param_dtype.itemsize
                 outputs.append(param.copy_out_view(group_size, numel).view(torch.uint8))

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .trace import TraceRecorder
+
+# torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")
 
@@ -131,3 +134,12 @@ class SharedComm:
 
     def __init__(self) -> None:
         self.comm = None
+
+
+class AllGatherResult(NamedTuple):
+    """An all-gather in flight, holding its buffer until the consumer has waited on it."""
+
+    all_gather_output: torch.Tensor  # (group_size * group_numel,)
+    all_gather_input: torch.Tensor  # (group_numel,): this rank's slot of all_gather_output
+    work: dist.Work | None  # CPU: wait on it
+    event: torch.cuda.Event | None  # CUDA: the compute stream waits on it

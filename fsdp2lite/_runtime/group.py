@@ -24,7 +24,6 @@ import torch.nn as nn
 from ..mesh import MeshInfo
 from ..policies import CommPolicy, reduce_dtype_problem
 from .collectives import (
-    AllGatherResult,
     ReduceScatterResult,
     byte_sources,
     copy_out_all_gather,
@@ -35,9 +34,9 @@ from .collectives import (
     reduces_in_place,
     wait_all_gather,
 )
-from .comm import Comm
+from .comm import AllGatherResult, Comm
 from .param import FSDPParam
-from .quantize import QuantizedGather
+from .quantize import block_segments, copy_out_quantized, issue_quantized_all_gather
 from .states import ShardedState, TrainingState
 
 
@@ -48,6 +47,7 @@ class PendingUnshard(NamedTuple):
     group_size: int  # ranks it gathers from: the shard group, or the post-forward group
     numels: list[int]  # per parameter, elements (bytes, as_bytes) each rank contributes
     as_bytes: bool  # gathered as uint8: the parameters gather in several dtypes ([Note: byte all-gather])
+    code_bytes: int = 0  # quantized: the code bytes of each rank's slot ([Note: quantized collectives])
 
 
 class PostForwardGroup(NamedTuple):
@@ -215,15 +215,17 @@ class FSDPParamGroup:
         self.post_forward_group = post_forward_group
 
     def set_comm_policy(self, policy: CommPolicy) -> None:
-        """Quantize the floating-point parameters' all-gather (not those with hooks of their own) and pick
-        the reduce-scatter's form ([Note: quantized collectives])."""
-        self.comm_policy = policy
-        for param in self.params:
-            quantize = policy.all_gather is not None and param.extension is None and param.orig_dtype.is_floating_point
-            param.quantized = (
-                QuantizedGather(policy.all_gather, policy.block_size, param.padded_numel) if quantize else None
+        """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
+        a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
+        odd = [p.fqn for p in self.params if p.extension is not None or not p.orig_dtype.is_floating_point]
+        if policy.all_gather is not None and (odd or self.gather_dtype is None):
+            reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
+            raise ValueError(
+                f"CommPolicy(all_gather={policy.all_gather!r}) quantizes a group's parameters together, but {reason}; "
+                "give them a group of their own (or keep all_gather=None for this group)"
             )
-        self._quantized_params = tuple(p for p in self.params if p.quantized is not None)
+        self.comm_policy = policy
+        self._staging: torch.Tensor | None = None  # the quantized all-gather's segments, made at its first use
 
     def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
         """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
@@ -257,12 +259,32 @@ class FSDPParamGroup:
             self.pending_unshard = PendingUnshard(result, sub.size, numels, as_bytes=False)
         else:
             info = self.mesh_info
-            as_bytes = dtype is None or bool(self._quantized_params)
+            if self.comm_policy.all_gather is not None:
+                kind, block = self.comm_policy.all_gather, self.comm_policy.block_size
+                if self._staging is None:  # zeroed once: the block padding between segments stays zero
+                    staging_numel = sum(block_segments(self.params, block))
+                    dtype, device = self.params[0].orig_dtype, self.comm.device
+                    self._staging = torch.zeros(staging_numel, dtype=dtype, device=device)
+                result, code_bytes = issue_quantized_all_gather(
+                    self.params,
+                    self._staging,
+                    info.shard_group,
+                    info.shard_size,
+                    info.shard_rank,
+                    self.comm,
+                    kind,
+                    block,
+                )
+                numels = [p.padded_numel for p in self.params]
+                self.pending_unshard = PendingUnshard(result, info.shard_size, numels, False, code_bytes)
+                self.trace("all_gather_issue")
+                return
+            as_bytes = dtype is None
             if not as_bytes:
                 sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
                 numels = [p.padded_numel for p in self.params]
             else:
-                sources, numels = byte_sources(self.params, info.shard_size)
+                sources, numels = byte_sources(self.params)
             result = issue_all_gather(
                 sources, numels, info.shard_group, info.shard_size, info.shard_rank,
                 torch.uint8 if as_bytes else dtype, self.comm,
@@ -279,12 +301,12 @@ class FSDPParamGroup:
         self.pending_unshard = None
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
-        copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
-        for param in self._quantized_params:  # decode every rank's slot: [Note: quantized collectives]
-            if pending.as_bytes:  # (a k-rank post-forward re-gather sends the unsharded values as they are)
-                param.quantized.decode_into(
-                    param.copy_out_view(pending.group_size, param.padded_numel), pending.group_size
-                )
+        if pending.code_bytes:  # decode every rank's slot, one pass: [Note: quantized collectives]
+            policy = self.comm_policy
+            kind = policy.all_gather or "int8"
+            copy_out_quantized(output, self.params, pending.group_size, pending.code_bytes, kind, policy.block_size)
+        else:
+            copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         for param in self._extension_params:

@@ -42,7 +42,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
 from .extension import AllGatherExtension, contiguous_stride, ensure_allocated, has_extension
-from .quantize import QuantizedGather
 from .states import ShardedState
 
 
@@ -139,7 +138,6 @@ class FSDPParam:
     pin_memory: bool
     policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
     extension: AllGatherExtension | None  # torch's all-gather extension hooks: [Note: all-gather extension]
-    quantized: QuantizedGather | None  # CommPolicy(all_gather=...): [Note: quantized collectives]
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
@@ -174,7 +172,6 @@ class FSDPParam:
             self.tp_spec = param._spec  # type: ignore[attr-defined]
             data = param._local_tensor.detach()  # type: ignore[attr-defined]
         self.extension = AllGatherExtension(data, fqn) if has_extension(data) else None
-        self.quantized = None  # set by the group from its CommPolicy
         self.mp_policy = mp_policy
         if self.extension is not None:
             self.extension.check_supported(shard_dim, isinstance(param, DTensor), policy.offload_to_cpu)
@@ -413,8 +410,6 @@ class FSDPParam:
         self._set_on_modules(self.sharded_param)
         if self.extension is not None:
             self.extension.free()  # [Note: all-gather extension]
-        if self.quantized is not None:
-            self.quantized.free()  # the gathered codes: [Note: quantized collectives]
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:

@@ -1,11 +1,14 @@
 """Communication-only quantization: block-scaled int8 / fp8 encodings of what a collective sends.
 
 [Note: quantized collectives]
-``CommPolicy(all_gather="int8")``: before the all-gather each rank encodes its padded flat shard (the
-parameter's own precision, e.g. the fp32 master) in blocks of ``block_size`` elements, one fp32 absmax scale
-per block: ``q = round(x / s)``, ``s = absmax / 127`` (fp8: ``x / s`` in e4m3, ``s = absmax / 448``). The
-group's one collective carries the codes and the scales as bytes ([Note: byte all-gather]); each rank
-decodes every rank's slot into the unsharded parameter in param_dtype. Worked example, block 4, one rank's
+``CommPolicy(all_gather="int8")``: before the all-gather each rank encodes its slot of the group (its
+parameters' padded flat shards side by side, in their own precision, e.g. the fp32 masters) in one pass, in
+blocks of ``block_size`` elements (a block may span two parameters), one fp32 absmax scale per block:
+``q = round(x / s)``, ``s = absmax / 127`` (fp8: ``x / s`` in e4m3, ``s = absmax / 448``). The group's one
+uint8 collective carries each rank's codes then its scales; each rank decodes all slots in one pass into a
+(shard_size, group_numel) buffer in param_dtype, which the usual copy-out splits into the parameters (one
+group-sized buffer more while it lives). Groups with all-gather hooks, integer parameters or several dtypes
+are refused: they have no single slot to encode. Worked example, block 4, one rank's
 shard [0.5, -1.0, 0.25, 0.0]: absmax 1.0, s = 1/127, q = [64, -127, 32, 0], decoded [0.504, -1.0, 0.252,
 0.0]: the error is at most s / 2 per element (int8), and it never reaches the weights, which stay exact.
 
@@ -23,9 +26,15 @@ fp32: a further ~4x fewer bytes than fp32.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from .comm import AllGatherResult, Comm, all_gather_flat
+
+if TYPE_CHECKING:
+    from .param import FSDPParam
 
 _MAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -61,48 +70,6 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.d
     return rows.reshape(*codes.shape[:-1], blocks * block).to(dtype)
 
 
-class QuantizedGather:
-    """One parameter's all-gather, quantized ([Note: quantized collectives]): its encoded inputs, the
-    output buffers they are gathered into (kept across steps, freed at reshard), and the decode into the
-    parameter's unsharded storage."""
-
-    kind: str
-    block: int
-    numel: int  # elements of the padded shard
-    outputs: list[torch.Tensor]  # (shard_size * code elements,) codes, (shard_size * blocks,) fp32 scales
-
-    def __init__(self, kind: str, block: int, numel: int) -> None:
-        self.kind, self.block, self.numel = kind, block, numel
-        self.outputs = []
-
-    def inputs(self, padded_flat_shard: torch.Tensor, group_size: int) -> list[torch.Tensor]:
-        codes, scales = encode(padded_flat_shard, self.block, self.kind)
-        code_numel, blocks = encoded_sizes(self.numel, self.block)
-        if not self.outputs:
-            device = padded_flat_shard.device if padded_flat_shard.device.type != "cpu" else codes.device
-            self.outputs = [
-                torch.empty(group_size * code_numel, dtype=codes.dtype, device=device),
-                torch.empty(group_size * blocks, dtype=torch.float32, device=device),
-            ]
-        for output in self.outputs:
-            if output.untyped_storage().size() < output.numel() * output.element_size():
-                output.untyped_storage().resize_(output.numel() * output.element_size())
-        return [codes, scales]
-
-    def output_views(self, group_size: int) -> list[torch.Tensor]:
-        return [output.view(torch.uint8).view(group_size, -1) for output in self.outputs]
-
-    def decode_into(self, target: torch.Tensor, group_size: int) -> None:
-        """Every rank's slot decoded into ``target`` (group_size, padded numel) in its dtype."""
-        codes = self.outputs[0].view(group_size, -1)
-        scales = self.outputs[1].view(group_size, -1)
-        target.copy_(decode(codes, scales, self.block, target.dtype)[:, : self.numel])
-
-    def free(self) -> None:
-        for output in self.outputs:
-            output.untyped_storage().resize_(0)
-
-
 def exchange_rows(
     rank_major: torch.Tensor, mode: str, block: int, group: dist.ProcessGroup, async_op: bool
 ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
@@ -127,3 +94,62 @@ def sum_received(received: torch.Tensor, mode: str, group_numel: int, block: int
     codes = received[:, :code_bytes].contiguous().view(torch.int8)
     scales = received[:, code_bytes:].contiguous().view(torch.float32)
     return decode(codes, scales.view(-1, blocks), block, torch.float32)[:, :group_numel].sum(dim=0).to(dtype)
+
+
+# ---- the quantized all-gather of a group -----------------------------------------------------
+def block_segments(params: tuple[FSDPParam, ...], block: int) -> list[int]:
+    """Per parameter, its padded shard's elements rounded up to whole blocks: blocks never span two
+    parameters (whose magnitudes may differ by orders), and the staging buffer is one run of them."""
+    return [-(-p.padded_numel // block) * block for p in params]
+
+
+def issue_quantized_all_gather(
+    params: tuple[FSDPParam, ...],
+    staging: torch.Tensor,
+    group: dist.ProcessGroup,
+    group_size: int,
+    group_rank: int,
+    comm: Comm,
+    kind: str,
+    block: int,
+) -> tuple[AllGatherResult, int]:
+    """The group's all-gather, quantized ([Note: quantized collectives]): the flat shards copied into their
+    block-aligned segments of ``staging`` (one foreach copy; the padding stays zero), encoded in one pass,
+    codes then scales in this rank's byte slot, one uint8 all-gather. Returns (the result, the code bytes
+    of a slot)."""
+    with comm.on("all_gather_copy_in"):
+        segments = torch.split(staging, block_segments(params, block))
+        targets = [segment[: p.padded_numel] for segment, p in zip(segments, params)]
+        torch._foreach_copy_(targets, [p.flat_shard for p in params], non_blocking=True)
+        codes, scales = encode(staging, block, kind)
+        slot = codes.nbytes + scales.nbytes
+        all_gather_output = torch.empty(group_size * slot, dtype=torch.uint8, device=comm.device)
+        all_gather_input = all_gather_output.narrow(0, group_rank * slot, slot)
+        torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], out=all_gather_input)
+    copied_in = comm.record("all_gather_copy_in")
+    with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
+        work = all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
+    comm.count("all_gather", (group_size - 1) * slot)
+    return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather")), codes.nbytes
+
+
+def copy_out_quantized(
+    output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, code_bytes: int, kind: str, block: int
+) -> None:
+    """Every rank's slot decoded in one pass into (group_size, staging numel) in param_dtype, then one
+    ``split_with_sizes_copy`` into the parameters (each segment's block padding into a scratch buffer)."""
+    slots = output.view(group_size, -1)
+    codes = slots[:, :code_bytes].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+    scales = slots[:, code_bytes:].view(torch.float32)
+    decoded = decode(codes, scales, block, params[0].param_dtype)  # (group_size, sum of segments)
+    pads = [segment - p.padded_numel for segment, p in zip(block_segments(params, block), params)]
+    scratch = torch.empty(group_size, sum(pads), dtype=decoded.dtype, device=decoded.device)
+    scratch_views = torch.split(scratch, pads, dim=1)
+    outputs, sizes = [], []
+    for param, pad, waste in zip(params, pads, scratch_views):
+        outputs.append(param.copy_out_view(group_size, param.padded_numel))
+        sizes.append(param.padded_numel)
+        if pad:
+            outputs.append(waste)
+            sizes.append(pad)
+    torch.split_with_sizes_copy(decoded, sizes, dim=1, out=outputs)
