@@ -226,3 +226,20 @@ def test_deepspeed_zero_plus_plus_quantization_migrates(tmp_path) -> None:  # ty
     statuses = {k.key: k.status for k in result.keys}
     assert statuses["zero_optimization.zero_quantized_weights"] == "mapped"
     assert "all_gather: int8  # from zero_optimization.zero_quantized_weights" in result.yaml()
+
+
+def test_estimate_counts_the_policy_bytes() -> None:
+    """The estimate's bytes per step follow the policy: int8 codes and one fp32 scale per block."""
+    from fsdp2lite.cli.estimate import communication_bytes
+    from fsdp2lite.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_heads=4, n_layers=2))
+    rule = [{"match": {"class": "Block"}}]
+    plain = communication_bytes(model, fl.FSDPConfig.model_validate({"wrap": rule}), 8)
+    int8 = fl.FSDPConfig.model_validate({"wrap": rule, "communication": {"all_gather": "int8", "block_size": 64}})
+    both = fl.FSDPConfig.model_validate(
+        {"wrap": rule, "communication": {"all_gather": "int8", "reduce_scatter": "int8", "block_size": 64}}
+    )
+    assert communication_bytes(model, int8, 8) < 0.8 * plain  # the gathers at 1 + 4/64 bytes per element
+    assert communication_bytes(model, both, 8) < 0.3 * plain

@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     estimate = _estimate(factory, config, common, args.model, cache)
     console.print(estimate_table(f"{args.model}, world size {args.world_size}, rank {args.rank}", estimate))
     record: dict[str, Any] = estimate.to_json()
+    sent = communication_bytes(model, config or default_config(model), args.world_size)
+    record["sent_per_step_bytes"] = sent  # the config's collectives, its communication policy included
+    console.print(f"sent per rank per step: {human_bytes(sent)} (ring collectives; the config's communication policy)")
     code = 0
     if args.budget is not None:
         base = config or default_config(model)
@@ -278,7 +281,9 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
     n-rank all-gather or reduce-scatter): each group all-gathered over the shard group in forward,
     again in backward when resharded after forward (over k ranks for ``reshard_after_forward: k``;
     never the root's, which keeps its parameters by default), and reduce-scattered once. HSDP's
-    replica all-reduce is the same in every setting searched and left out."""
+    replica all-reduce is the same in every setting searched and left out. A ``communication`` policy sends
+    1-byte codes and a 4-byte scale per block instead (an all-to-all reduce-scatter sends what a ring
+    reduce-scatter does: (n - 1) / n of the buffer)."""
     plan = plan_config(model, config)
     _, shard = config.mesh.resolve(world_size)
     total = 0.0
@@ -289,6 +294,11 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         numel = sum(p.numel() for p in params.values())
         gather = numel * (element_size(param_dtype) if param_dtype is not None else 4)
         reduce = numel * (element_size(reduce_dtype) if reduce_dtype is not None else 4)
+        comm = policy.communication  # CommPolicy: int8/fp8 codes plus one fp32 scale per block
+        if comm.all_gather is not None:
+            gather = numel * (1 + 4 / comm.block_size)
+        if comm.reduce_scatter == "int8":
+            reduce = numel * (1 + 4 / comm.block_size)
         ring = (shard - 1) / shard
         value = policy.reshard_after_forward
         if value == "auto":
