@@ -47,17 +47,25 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
         raise ValueError(f"record_trace: {type(model).__name__} is not the root; pass the outermost FSDP module")
     rank = dist.get_rank() if dist.is_initialized() else 0
     recorder = TraceRecorder(rank)
-    state.trace_recorder = recorder
     if state.root_context is not None:
         recorder.schedule = state.root_context.schedule_settings()  # else set at lazy init
-        if state.root_context.comm is not None:
-            state.root_context.comm.recorder = recorder
-    try:
+    with _on_root_comm(state, "trace_recorder", "recorder", recorder):
         yield recorder
+
+
+@contextmanager
+def _on_root_comm(state: Any, state_attr: str, comm_attr: str, value: Any) -> Iterator[None]:
+    """Hand ``value`` to the root's shared Comm for the block: kept on the root's state (lazy init hands
+    it over, if still to come) and set on the live Comm; both taken back after."""
+    setattr(state, state_attr, value)
+    if state.root_context is not None and state.root_context.comm is not None:
+        setattr(state.root_context.comm, comm_attr, value)
+    try:
+        yield
     finally:
-        state.trace_recorder = None
+        setattr(state, state_attr, None)
         if state.root_context is not None and state.root_context.comm is not None:
-            state.root_context.comm.recorder = None
+            setattr(state.root_context.comm, comm_attr, None)
 
 
 @dataclass(frozen=True)
@@ -145,13 +153,5 @@ def count_wire_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
             f"count_wire_bytes takes the root module fully_shard was applied to, got {type(model).__name__}"
         )
     counts: dict[str, int] = {}
-    state = model._fsdp_state
-    state.wire_counts = counts  # handed to the shared Comm at lazy init, if that is still to come
-    if state.root_context is not None and state.root_context.comm is not None:
-        state.root_context.comm.wire = counts
-    try:
+    with _on_root_comm(model._fsdp_state, "wire_counts", "wire", counts):
         yield counts
-    finally:
-        state.wire_counts = None
-        if state.root_context is not None and state.root_context.comm is not None:
-            state.root_context.comm.wire = None
