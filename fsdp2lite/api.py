@@ -381,8 +381,8 @@ def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str
         )
     if id(param) in taken:
         raise ValueError(
-            f"parameter '{fqn}' of {owner} is tied to '{taken[id(param)]}', which a nested fully_shard "
-            "call already sharded; tied parameters must be in one group: shard a module containing "
+            f"parameter '{fqn}' of {owner} is tied to '{taken[id(param)]}', already managed by another (nested) "
+            "fully_shard call; tied parameters must be in one group: shard a module containing "
             "every use (or leave the tied modules to the enclosing call)"
         )
     if param.dim() == 0:

@@ -76,6 +76,15 @@ class FSDPModule(_TorchFSDPModule):
         instance.__init__(*args, **kwargs)
         return instance
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused, as torch's fully_shard refuses it: a sharded module's parameters are shards bound to
+        process groups, and a copy would share them (without this, Python's copy would construct the
+        original class with no arguments and fail obscurely)."""
+        raise NotImplementedError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported (FSDP does not support deepcopy): "
+            "copy the model before fully_shard, or move state with state_dict()/load_state_dict()"
+        )
+
     def _get_fsdp_state(self) -> _ForwardHooksView:
         """What torch's own ``register_fsdp_forward_method`` calls (``_pre_forward``/``_post_forward``):
         a view onto fsdp2lite's state. torch's private state (its param groups) does not exist here."""

@@ -560,3 +560,12 @@ def test_every_method_of_torchs_fsdpmodule_is_ours() -> None:
     inherited = [name for name in torchs if name not in vars(fl.FSDPModule)]
     assert not inherited, f"inherited from torch's FSDPModule: {inherited}"
     assert issubclass(fl.FSDPModule, TorchFSDPModule)
+
+
+@pytest.mark.usefixtures("single_rank_pg")
+def test_deepcopy_of_a_sharded_module_is_refused_clearly() -> None:
+    model = fl.fully_shard(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(NotImplementedError, match="FSDP does not support deepcopy.*before fully_shard"):
+        copy.deepcopy(model)
+    plain = copy.deepcopy(nn.Sequential(nn.Linear(4, 4)))  # unsharded modules copy as always
+    assert type(plain) is nn.Sequential

@@ -50,7 +50,8 @@ def check_no_tie_across_groups(states: FSDPStates, names: dict[int, str]) -> Non
             where = f"'{param.fqn}' of group '{names[id(state)] or '<root>'}'"
             if param.orig_uid in owner:
                 raise ValueError(
-                    f"one parameter is sharded by two fully_shard calls ({owner[param.orig_uid]} and {where}): tied "
+                    f"one parameter is sharded by two fully_shard calls ({owner[param.orig_uid]} and {where}), "
+                    "already managed by another group: tied "
                     "parameters must be in one group; apply fully_shard to a module containing every use (e.g. "
                     "the root, or one call on a list of both modules); nothing was changed"
                 )
