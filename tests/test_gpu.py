@@ -123,7 +123,7 @@ def test_delayed_side_streams_keep_parity() -> None:
     wait on the right event reads unfinished buffers and the numbers go wrong."""
     from fsdp2lite._runtime import collectives
 
-    originals = {name: getattr(collectives, name) for name in ("_all_gather_flat", "_reduce_scatter_flat")}
+    originals = {name: getattr(collectives, name) for name in ("all_gather_flat", "_reduce_scatter_flat")}
 
     def delayed(fn):  # type: ignore[no-untyped-def]
         def run(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -181,7 +181,7 @@ class _EventWork:
 
 @contextmanager
 def delayed_collectives(delay_s: float) -> Iterator[None]:
-    names = ("_all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
+    names = ("all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
     originals = {name: getattr(collectives, name) for name in names}
     delayer = DelayedCollectives(delay_s)
     for name, fn in originals.items():
