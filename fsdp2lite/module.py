@@ -77,9 +77,7 @@ class FSDPModule(_TorchFSDPModule):
         return instance
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """Refused, as torch's fully_shard refuses it: a sharded module's parameters are shards bound to
-        process groups, and a copy would share them (without this, Python's copy would construct the
-        original class with no arguments and fail obscurely)."""
+        """Refused, as torch's refuses it: the shards are bound to process groups."""
         raise NotImplementedError(
             f"copy.deepcopy of a sharded {type(self).__name__} is not supported (FSDP does not support deepcopy): "
             "copy the model before fully_shard, or move state with state_dict()/load_state_dict()"
@@ -91,7 +89,7 @@ class FSDPModule(_TorchFSDPModule):
         return _ForwardHooksView(self._fsdp_state)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        """torch-private: fsdp2lite's pre-forward all-gathers are already issued ahead by prefetch."""
+        """torch-private: fsdp2lite's prefetch issues all-gathers ahead."""
         raise NotImplementedError(
             "_set_unshard_async_op is torch-private FSDP2 state with no fsdp2lite equivalent; forward prefetch "
             "(set_forward_prefetch_depth on the root) issues all-gathers ahead instead"
@@ -287,8 +285,7 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for torch compatibility, and always in effect: fsdp2lite's collectives reduce with
-        SUM only and divide afterwards (one ``div_`` of the reduced output, before any all-reduce hook)."""
+        """Accepted, and always in effect: fsdp2lite reduces with SUM only and divides afterwards."""
         check_bool("enable", enable)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
@@ -328,9 +325,7 @@ class FSDPModule(_TorchFSDPModule):
             group.set_separate_reduce_scatter_group(enable, created)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """torch: take communication buffers from the process group's own allocator (NCCL zero-copy).
-        fsdp2lite allocates them with the device's allocator: False is accepted; True raises (see the
-        README's differences from torch's fully_shard)."""
+        """torch: buffers from the process group's allocator (NCCL). False is accepted; True raises."""
         check_bool("enable", enable)
         if enable:
             raise NotImplementedError(_unsupported_comm_memory("set_allocate_memory_from_process_group_for_comm", self))
