@@ -188,9 +188,9 @@ class FSDPParamGroup:
         check_post_forward_size(value, self.mesh_info.shard_size)
         if 1 < value < self.mesh_info.shard_size:
             check_post_forward_dims(value, self.params)
-            if _one_dtype(self.params) is None:
+            if self.gather_dtype is None:
                 dtypes = sorted({str(p.param_dtype).removeprefix("torch.") for p in self.params})
-                hooks = [p.fqn for p in self.params if p.extension is not None]
+                hooks = [p.fqn for p in self._extension_params]
                 what = (
                     f"all-gather extension hooks ({', '.join(hooks)})"
                     if hooks
