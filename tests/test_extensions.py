@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from _dist import cpu_mesh, spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
@@ -134,12 +135,63 @@ def check_one_collective_per_group(rank: int, world_size: int) -> None:
     assert gathers == 2, counts  # the two blocks (the root holds nothing)
 
 
-def check_int_reshard_refused(rank: int, world_size: int) -> None:
-    """k-rank post-forward shards keep unsharded rows in one dtype: a group with hooks refuses them (4 ranks, k=2)."""
-    model = _even_model()
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2 .* all-gather .*hooks \(weight\)"):
-        fl.fully_shard(model[0], mesh=cpu_mesh(), reshard_after_forward=2)
-    assert not isinstance(model[0], fl.FSDPModule)  # nothing changed
+def check_int_reshard_with_hooks(rank: int, world_size: int) -> None:
+    """reshard_after_forward=2 on 4 ranks (torch's fully_shard refuses an int for hooked parameters): each
+    rank keeps two of the forward all-gather's four slots, the backward regathers them over 2 ranks without
+    calling the pre hook again, and training matches DDP on the dequantized twin, uneven rows included."""
+    from test_hsdp import recorded_collectives
+
+    torch.manual_seed(4)
+    model = UnevenMLP()
+    quantize_linears(model)
+
+    def shard(m: nn.Module) -> None:
+        for block in m.blocks:
+            fl.fully_shard(block, mesh=cpu_mesh(), reshard_after_forward=2)
+        fl.fully_shard(m, mesh=cpu_mesh())
+
+    _train_against_twin(model, shard, rank, "reshard_after_forward=2 with hooks")
+    QuantWeight.calls.update(pre=0, post=0, post_out=0)
+    with recorded_collectives() as forward_calls:
+        loss = mlp_loss(model, mlp_batch(9, rank))
+    pre_in_forward = QuantWeight.calls["pre"]
+    with recorded_collectives() as backward_calls:
+        loss.backward()
+    forward_gathers = [(dist.get_world_size(g), n) for kind, g, n in forward_calls if kind == "all_gather"]
+    backward_gathers = [(dist.get_world_size(g), n) for kind, g, n in backward_calls if kind == "all_gather"]
+    assert [size for size, _ in forward_gathers] == [4, 4, 4], forward_gathers  # root, blocks 0 and 1
+    assert [size for size, _ in backward_gathers] == [2, 2], backward_gathers  # blocks 1 and 0, k=2 ranks
+    assert backward_gathers[0][1] == forward_gathers[2][1]  # the same bytes: the whole block's slots
+    # 3 hooked weights per block and the root's head: the pre hook runs in forward only; post refills in
+    # place in forward (7) and again after each block's regather (6)
+    assert (pre_in_forward, QuantWeight.calls["pre"], QuantWeight.calls["post_out"]) == (7, 7, 13), QuantWeight.calls
+
+
+def check_int_reshard_mixed_dtypes(rank: int, world_size: int) -> None:
+    """A group of several dtypes (a frozen bf16 layer beside fp32 ones) gathers bytes; with
+    reshard_after_forward=2 it trains bit for bit like the same group with True, over 2-rank regathers."""
+    results = []
+    for reshard in (True, 2):
+        torch.manual_seed(5)
+        model = UnevenMLP()
+        for block in model.blocks:
+            block.mid.to(torch.bfloat16).requires_grad_(False)
+            block.mid.register_forward_pre_hook(lambda m, args: (args[0].bfloat16(),))
+            block.mid.register_forward_hook(lambda m, args, out: out.float())
+            fl.fully_shard(block, mesh=cpu_mesh(), reshard_after_forward=reshard)
+        fl.fully_shard(model, mesh=cpu_mesh())
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        run = []
+        for step in range(3):
+            loss = mlp_loss(model, mlp_batch(step, rank))
+            loss.backward()
+            run.append((loss.detach(), [full(p.grad) for p in model.parameters() if p.requires_grad]))
+            opt.step()
+            opt.zero_grad()
+        results.append(run)
+    for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(*results)):
+        assert torch.equal(loss_a, loss_b), f"step {step}: {loss_a} != {loss_b}"
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b)), f"step {step} grads"
 
 
 def check_hsdp_hooks_get_the_shard_mesh(rank: int, world_size: int) -> None:
@@ -226,7 +278,7 @@ def test_nf4_needs_torchao() -> None:
 
 
 def test_extension_hsdp_world4() -> None:
-    spawn_checks(4, check_hsdp_hooks_get_the_shard_mesh, check_int_reshard_refused)
+    spawn_checks(4, check_hsdp_hooks_get_the_shard_mesh, check_int_reshard_with_hooks, check_int_reshard_mixed_dtypes)
 
 
 class OnlyPre(torch.Tensor):

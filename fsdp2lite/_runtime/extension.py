@@ -136,10 +136,8 @@ class AllGatherExtension:
             for tensor in self.inner_tensors:
                 ensure_allocated(tensor)
             post(gathered, self.metadata, param_dtype, out=current)
-            self.metadata = None
             return None
         result = post(gathered, self.metadata, param_dtype)
-        self.metadata = None
         if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], torch.Tensor):
             raise ValueError(
                 f"parameter '{self.fqn}': fsdp_post_all_gather must return (unsharded tensor, tensors to free), "
@@ -152,6 +150,12 @@ class AllGatherExtension:
                 f"does not hold the parameter's {tuple(orig_shape)}"
             )
         return torch.as_strided(unsharded, orig_shape, contiguous_stride(orig_shape), 0)
+
+    def reallocate(self) -> None:
+        """Give the output buffers their storage back for a regather of the kept inputs (a post-forward
+        group's), which reuses the last pre-all-gather's metadata: [Note: post-forward reshard]."""
+        for output in self.outputs:
+            ensure_allocated(output)
 
     def free(self) -> None:
         """Reshard: the output buffers and the tensors post_all_gather named give their memory back."""

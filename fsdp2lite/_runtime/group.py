@@ -9,6 +9,12 @@ after its backward (plus, for HSDP, one all-reduce across replicas). It owns the
 torch.chunk piece of the parameters as if sharded over k ranks (its k-1 neighbours in the shard group
 keep the others), so the backward all-gather runs over those k ranks only: less traffic and latency,
 for (shard_size / k) times the sharded bytes held between forward and backward.
+
+A group that all-gathers bytes (several dtypes, or torch's all-gather hooks) has no one-dtype unsharded
+rows to chunk: each rank keeps instead shard_size / k consecutive slots of the forward's all-gather output
+(its rank-major per-rank inputs, hook outputs included), and the k-rank regather puts every slot back in
+place, so the copy-out, and a hook's ``fsdp_post_all_gather`` with the forward's metadata, run as after
+the forward's all-gather (torch's ``fully_shard`` refuses an int for hooked parameters).
 """
 
 from __future__ import annotations
@@ -188,18 +194,6 @@ class FSDPParamGroup:
         check_post_forward_size(value, self.mesh_info.shard_size)
         if 1 < value < self.mesh_info.shard_size:
             check_post_forward_dims(value, self.params)
-            if self.gather_dtype is None:
-                dtypes = sorted({str(p.param_dtype).removeprefix("torch.") for p in self.params})
-                hooks = [p.fqn for p in self._extension_params]
-                what = (
-                    f"all-gather extension hooks ({', '.join(hooks)})"
-                    if hooks
-                    else f"several dtypes ({', '.join(dtypes)})"
-                )
-                raise ValueError(
-                    f"reshard_after_forward={value} keeps a k-rank shard of the unsharded parameters in one dtype, but "
-                    f"this group's parameters gather with {what}; use True or False for it"
-                )
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
@@ -252,11 +246,16 @@ class FSDPParamGroup:
         dtype = self.gather_dtype
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self.post_forward_buffer is not None:
             sub = self.post_forward_group
-            if sub is None or dtype is None:  # int k is refused for several dtypes
+            if sub is None:
                 raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
             buffer, numels = self.post_forward_buffer
-            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, dtype, self.comm)
-            self.pending_unshard = PendingUnshard(result, sub.size, numels, as_bytes=False)
+            as_bytes = dtype is None  # kept whole all-gather slots: [Note: post-forward reshard]
+            for param in self._extension_params:
+                param.extension.reallocate()  # type: ignore[union-attr]  # its hook is not called again
+            gather_dtype = torch.uint8 if as_bytes else dtype
+            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, gather_dtype, self.comm)
+            size = self.mesh_info.shard_size if as_bytes else sub.size  # slots of the full group, or k chunks
+            self.pending_unshard = PendingUnshard(result, size, numels, as_bytes=as_bytes)
         else:
             info = self.mesh_info
             if self.comm_policy.all_gather is not None:
@@ -311,8 +310,10 @@ class FSDPParamGroup:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         for param in self._extension_params:
             param.finish_extension()  # the subclass rebuilds its unsharded tensor: [Note: all-gather extension]
-        self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
+        if pending.as_bytes and self._reshards_to_post_forward_group():
+            self.post_forward_buffer = (self._post_forward_slots(output, pending.group_size), pending.numels)
+        self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -334,12 +335,37 @@ class FSDPParamGroup:
         if sub is None or self.sharded_state is not ShardedState.UNSHARDED:
             self.reshard()
             return
-        buffer = post_forward_shards(self.params, sub.size, sub.rank)
+        if self.gather_dtype is None:  # bytes: the slots kept at the all-gather's copy-out
+            buffer = self.post_forward_buffer
+            if buffer is None:
+                self.reshard()
+                return
+        else:
+            buffer = post_forward_shards(self.params, sub.size, sub.rank)
         for param in self.params:
             param.to_sharded()
         self.post_forward_buffer = buffer
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
         self.trace("reshard")
+
+    def _reshards_to_post_forward_group(self) -> bool:
+        """A forward with autograd on will shrink this group to its post-forward group afterwards."""
+        return (
+            self.post_forward_group is not None
+            and self.reshard_after_forward
+            and self.training_state is TrainingState.FORWARD
+            and torch.is_grad_enabled()
+        )
+
+    def _post_forward_slots(self, output: torch.Tensor, group_size: int) -> torch.Tensor:
+        """This rank's share of a byte all-gather's rank-major slots for the post-forward group: slots
+        ``[s * m, (s + 1) * m)`` with s its rank there and m = shard size / k, so the k-rank regather
+        rebuilds the whole output, hooks' bytes and all ([Note: post-forward reshard])."""
+        sub = self.post_forward_group
+        if sub is None:
+            raise RuntimeError(f"{self}: post-forward slots without a post-forward group")
+        per = group_size // sub.size
+        return output.view(group_size, -1)[sub.rank * per : (sub.rank + 1) * per].reshape(-1).clone()
 
     # ---- phases ---------------------------------------------------------------------------
     def pre_forward(self) -> None:
