@@ -213,7 +213,7 @@ def test_damaged_checkpoints_exit_1(checkpoints: Path, tmp_path: Path, capsys: p
     assert not out.exists() and not out.with_name("out.pt.partial").exists()
 
     (corrupt / ".metadata").write_bytes(b"not a pickle")
-    _fails([str(corrupt), str(out)], capsys, ".metadata", "unreadable")
+    _fails([str(corrupt), str(out)], capsys, ".metadata", "damaged")
 
 
 def every_dtype_state() -> dict[str, torch.Tensor]:

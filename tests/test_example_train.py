@@ -301,3 +301,17 @@ def test_bad_argument_under_torchrun(tmp_path: Path) -> None:
     assert printed.count("wrap.0.match: matches no module") == 1, run.stderr  # rank 0's message
     assert "exitcode  : 2" in summary and "wrap.0.match: matches no module" in summary, "torchrun's summary says why"
     assert 'examples/train.py", line' not in run.stderr, "no rank's traceback"
+
+
+def test_resume_from_a_hostile_checkpoint_runs_no_code(runs: dict[str, Any]) -> None:
+    """--resume reads .metadata without running it (issue 24): A's step-2 checkpoint with a .metadata that
+    reduces to a shell call stops with one clear line; the sentinel the call would create never appears."""
+    tmp = runs["tmp"]
+    shutil.copytree(tmp / "ckA" / "step-0000002", tmp / "ckH" / "step-0000002")
+    sentinel = tmp / "PWNED"
+    payload = b"cposix\nsystem\n(V" + f"touch {sentinel}".encode() + b"\ntR."  # os.system(...) as pickle opcodes
+    (tmp / "ckH" / "step-0000002" / ".metadata").write_bytes(payload)
+    run = python(*COMMON, "--config", "fp32.yaml", "--checkpoint-dir", "ckH", "--resume", "latest", cwd=tmp)
+    assert run.returncode == 2, run.stderr
+    assert "refused to unpickle 'posix.system'" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not sentinel.exists(), "the checkpoint ran code"

@@ -5,7 +5,8 @@
 A DCP checkpoint saved from any number of ranks (sharded DTensors, replicated tensors, non-tensor
 values) becomes one ``torch.load``-able ``.pt`` file or one ``.safetensors`` file of full tensors:
 
-1. read ``.metadata`` once (a pickle: consolidate only checkpoints you trust);
+1. read ``.metadata`` once, without running code from it (a checkpoint someone shared is safe:
+   [Note: safe metadata]);
 2. plan: the tensor keys in metadata order (non-tensor entries skipped and counted), the output names
    (prefix stripped), shapes and output dtypes: everything a file header needs, before any data;
 3. check that every data file the plan reads exists and is long enough, so a damaged checkpoint
@@ -45,12 +46,11 @@ from typing import Any, BinaryIO, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .dcp import CheckpointError
+from .errors import CheckpointError
+from .safe import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
 FORMATS = ("pt", "safetensors")
 CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -163,13 +163,7 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
         raise CheckpointError(f"{ckpt_dir}: not a directory (a DCP checkpoint is a directory with a .metadata file)")
     if not (ckpt_dir / ".metadata").is_file():
         raise CheckpointError(f"{ckpt_dir}: no .metadata file, not a torch.distributed.checkpoint directory")
-    try:
-        metadata = FileSystemReader(ckpt_dir).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata fails inside pickle, with any exception type
-        raise CheckpointError(f"{ckpt_dir / '.metadata'}: unreadable ({_one_line(exc)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"{ckpt_dir / '.metadata'}: not DCP metadata (got {type(metadata).__name__})")
-    return metadata
+    return load_metadata(ckpt_dir)  # refuses foreign pickle and damaged files: [Note: safe metadata]
 
 
 def check_data_files(ckpt_dir: Path, metadata: Metadata, plan: Plan) -> None:
@@ -202,7 +196,7 @@ def check_output(out: Path, force: bool) -> None:
 Load = Callable[[TensorEntry], torch.Tensor]
 
 
-class _MetadataOnceReader(FileSystemReader):
+class _MetadataOnceReader(SafeFileSystemReader):
     """A FileSystemReader that returns metadata read once: ``dcp.load`` reads it on every call, and
     ``.metadata`` of many ranks' shards can be megabytes, read once per tensor."""
 
@@ -224,7 +218,7 @@ def tensor_loader(ckpt_dir: Path, metadata: Metadata) -> Load:
         full_tensor = torch.empty(entry.shape, dtype=entry.stored_dtype)  # every saved chunk is copied in
         # flatten_state_dict=False: the key is already the flat metadata key; strict (the default):
         # a key that does not match fails instead of leaving the tensor uninitialised
-        planner = DefaultLoadPlanner(flatten_state_dict=False)
+        planner = SafeLoadPlanner(ckpt_dir, flatten_state_dict=False)
         try:
             with warnings.catch_warnings():
                 # no process group is the point: dcp.load warns that it assumes a single process

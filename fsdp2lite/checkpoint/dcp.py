@@ -9,6 +9,7 @@ checkpoints move both ways between the two libraries. These two functions add wh
 top: before anything is read, every rank checks the checkpoint against the model (missing and
 unexpected keys, shape mismatches, truncated or missing files) from the metadata file alone, so a bad
 checkpoint raises the same clear error on every rank instead of failing on some and hanging the rest.
+Every read goes through ``safe.py``: a checkpoint cannot run code ([Note: safe metadata]).
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model (or is damaged); the message lists every offending key."""
+from .errors import CheckpointError
+from .safe import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -60,7 +60,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     check_checkpoint(path, state)
     staged = _staged(state)
     try:
-        dcp.load(staged, checkpoint_id=str(path))
+        # the safe reader and planner: no code from the checkpoint runs ([Note: safe metadata])
+        dcp.load(staged, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     except (Exception, CheckpointException) as exc:
         damaged = damaged_items(path, read_metadata(path))
         cause = "; ".join(damaged[:4]) if damaged else _first_failure(exc)
@@ -139,16 +140,12 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
 
 
 def read_metadata(path: str | Path) -> Metadata:
-    """The checkpoint's metadata; a clear ``CheckpointError`` when the directory is not a checkpoint."""
+    """The checkpoint's metadata, read without running code from it ([Note: safe metadata]); a clear
+    ``CheckpointError`` when the directory is not a checkpoint, is damaged or holds foreign pickle."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass the directory a checkpoint was saved to")
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no .metadata file, so not a complete DCP checkpoint") from None
-    except Exception as exc:  # unpickling a damaged file raises many kinds of errors
-        raise CheckpointError(f"{path}: the .metadata file is damaged ({type(exc).__name__}: {exc})") from None
+    return load_metadata(path)
 
 
 def check_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
