@@ -36,6 +36,7 @@ import json
 import math
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -166,7 +167,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto: CUDA (NCCL) when a GPU is visible, else CPU (gloo)",
     )
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective or the rendezvous may wait for a peer before failing (so torchrun can "
+        "restart a job that lost a rank); default 600",
+    )
     args = p.parse_args(argv)
+    if not args.pg_timeout > 0:
+        p.error(f"--pg-timeout must be a positive number of seconds, got {args.pg_timeout:g}")
+    try:
+        args.fault = parse_fault(os.environ.get(FAULT_VARIABLE, ""))
+    except UsageError as exc:
+        p.error(str(exc))
     for name in ("seq", "batch", "grad_accum", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -207,11 +221,40 @@ def join_process_group(args: argparse.Namespace) -> Job:
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # this process's GPU, before any CUDA work
-        dist.init_process_group("nccl", device_id=device)  # device_id: NCCL bound to that GPU at once
+        # device_id: NCCL bound to that GPU at once; keys private to this restart attempt
+        fl.init_process_group("nccl", device_id=device, timeout=args.pg_timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        fl.init_process_group("gloo", timeout=args.pg_timeout)  # survives torchrun's restarts
     return Job(dist.get_rank(), dist.get_world_size(), device, dist.get_backend())
+
+
+# A testing aid: FSDP2LITE_FAULT="RANK:step:N" makes rank RANK kill itself (SIGKILL) after optimizer step N,
+# "RANK:save:N" while the step-N checkpoint is being written (its shards on disk, the directory not yet
+# marked finished); only in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restart can finish.
+FAULT_VARIABLE = "FSDP2LITE_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    point: str  # "step" or "save"
+    step: int
+
+    def strike(self, job: Job, point: str, step: int) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and (job.rank, point, step) == (self.rank, self.point, self.step):
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_fault(value: str) -> Fault | None:
+    if not value:
+        return None
+    parts = value.split(":")
+    if len(parts) != 3 or parts[1] not in ("step", "save") or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise UsageError(f"{FAULT_VARIABLE}={value!r}: expected RANK:step:N or RANK:save:N, e.g. 1:step:3")
+    return Fault(int(parts[0]), parts[1], int(parts[2]))
 
 
 def on_every_rank(job: Job, what: str, fn: Callable[[], T]) -> T:
@@ -549,6 +592,8 @@ def find_resume(args: argparse.Namespace) -> Path | None:
 
 def save(path: Path, run: Run, job: Job, step: int, args: argparse.Namespace) -> None:
     fl.save_checkpoint(path, run.model, run.optimizer)  # every rank writes its shards
+    if args.fault:
+        args.fault.strike(job, "save", step)
     dist.barrier()  # every shard is on disk before the directory is marked finished
     if job.rank == 0:
         state = {
@@ -607,6 +652,8 @@ def train(args: argparse.Namespace, job: Job) -> dict[str, Any]:
     for step in range(run.start_step, args.steps):
         loss_sum, grad_norm = train_step(run, batches, step, args, job)
         done = step + 1
+        if args.fault:
+            args.fault.strike(job, "step", done)
         if done % args.log_every == 0 or done == args.steps:  # the only host syncs of a step
             dist.all_reduce(loss_sum)  # summed over ranks, on the device: one host sync for the loss
             loss = loss_sum.item() / job.world_size

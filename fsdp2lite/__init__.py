@@ -13,6 +13,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .estimate import MemoryEstimate, estimate_memory
 from .integrations import PatchReport, patch, unpatch
+from .launch import init_process_group
 from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -38,6 +39,7 @@ __all__ = [
     "estimate_memory",
     "fully_shard",
     "init_mesh",
+    "init_process_group",
     "load_checkpoint",
     "patch",
     "plan_config",

@@ -46,7 +46,9 @@ def env() -> dict[str, str]:
     return {**clean, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, also on a GPU machine
 
 
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    *args: str, cwd: Path, launcher: tuple[str, ...] = (), extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
@@ -54,10 +56,12 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         "--standalone",
         "--nproc-per-node",
         "2",
+        *launcher,
         str(SCRIPT),
         *args,
     ]
-    return subprocess.run(command, cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+    run_env = {**env(), **(extra_env or {})}
+    return subprocess.run(command, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=300)
 
 
 def free_port() -> int:
@@ -315,3 +319,28 @@ def test_resume_from_a_hostile_checkpoint_runs_no_code(runs: dict[str, Any]) -> 
     assert run.returncode == 2, run.stderr
     assert "refused to unpickle 'posix.system'" in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert not sentinel.exists(), "the checkpoint ran code"
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["1:step:3", "0:save:4"],
+    ids=["rank-1-killed-after-step-3", "rank-0-killed-writing-the-step-4-checkpoint"],
+)
+def test_a_killed_rank_is_restarted_and_resumes_exactly(runs: dict[str, Any], fault: str) -> None:
+    """issue 24: under torchrun's c10d rendezvous with --max-restarts 2, a rank SIGKILLed mid-training or
+    while a checkpoint is written brings the job back (fl.init_process_group: keys private to the attempt);
+    --resume latest picks the last finished checkpoint (step 2) and steps 3-4 equal A's, bit for bit."""
+    tmp = runs["tmp"]
+    name = fault.replace(":", "-")
+    args = [*COMMON, "--config", "fp32.yaml", "--checkpoint-dir", f"ck-{name}", "--save-every", "2"]
+    args += ["--resume", "latest", "--metrics", f"{name}.jsonl"]
+    run = torchrun(*args, cwd=tmp, launcher=("--max-restarts", "2"), extra_env={"FSDP2LITE_FAULT": fault})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "exitcode: -9" in run.stderr, "the rank was killed (SIGKILL) and torchrun saw it"
+    final = record(run)
+    assert final["resumed_from"] == f"ck-{name}/step-0000002" and final["start_step"] == 2, final
+    lines = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    last = {line["step"]: line["loss"] for line in lines}  # the restarted attempt's, where logged twice
+    uninterrupted = losses(tmp / "A.jsonl")
+    assert sorted(last) == [1, 2, 3, 4] and last == uninterrupted, (last, uninterrupted)
+    assert (tmp / f"ck-{name}" / "step-0000004" / "train_state.json").is_file()
