@@ -87,7 +87,7 @@ def fully_shard(
     owned = _collect_params(modules, ignored)
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
-    _check_group_dtypes(owned, policy)
+    _check_group_dtypes(owned, policy, modules)
     _check_tp_params(owned, mesh_info)
     dims = _shard_dims(shard_placement_fn, owned)
     _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
@@ -301,13 +301,15 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
 
 
 def _check_group_dtypes(
-    owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], policy: ParamPolicy
+    owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    policy: ParamPolicy,
+    modules: tuple[nn.Module, ...],
 ) -> None:
     """One reduce-scatter per group: its trainable parameters must reduce in one dtype (frozen ones of
     other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather])."""
     problem = reduce_dtype_problem({fqn: p for fqn, p, _ in owned}, policy.param_dtype, policy.reduce_dtype)
     if problem is not None:
-        owner = type(owned[0][2][0][0]).__name__
+        owner = ", ".join(type(module).__name__ for module in modules)
         raise ValueError(
             f"fully_shard({owner}): {problem}; pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (or "
             "reduce_dtype=...), freeze the odd ones (requires_grad_(False)), or shard them in separate calls"

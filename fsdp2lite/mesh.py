@@ -66,16 +66,24 @@ def device_type_for_backend(backend: str, preferred: str | None, cuda_available:
 
 
 def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[int, int]:
-    """(replicate, shard) with ``shard=-1`` resolved to the remaining ranks; raises with the numbers."""
-    if replicate < 1 or (shard < 1 and shard != -1):
-        raise ValueError(f"mesh degrees must be >= 1 (shard may be -1), got replicate({replicate}), shard({shard})")
-    if shard == -1:
-        if world_size % replicate:
+    """(replicate, shard) with a -1 (either one, not both) resolved to the remaining ranks; raises with
+    the numbers."""
+    if (replicate < 1 and replicate != -1) or (shard < 1 and shard != -1):
+        raise ValueError(
+            f"mesh degrees must be >= 1 (or -1: the remaining ranks), got replicate({replicate}), shard({shard})"
+        )
+    if replicate == -1 and shard == -1:
+        raise ValueError(
+            "mesh replicate(-1) and shard(-1): only one degree can take the remaining ranks; set the other"
+        )
+    known, other = ("shard", shard) if replicate == -1 else ("replicate", replicate)
+    if -1 in (replicate, shard):
+        if world_size % other:
             raise ValueError(
-                f"mesh replicate({replicate}) does not divide world_size({world_size}), "
-                "so shard=-1 cannot take the remaining ranks"
+                f"mesh {known}({other}) does not divide world_size({world_size}), "
+                f"so {'replicate' if known == 'shard' else 'shard'}=-1 cannot take the remaining ranks"
             )
-        shard = world_size // replicate
+        replicate, shard = (world_size // shard, shard) if replicate == -1 else (replicate, world_size // replicate)
     if replicate * shard != world_size:
         raise ValueError(f"mesh replicate({replicate}) * shard({shard}) != world_size({world_size})")
     return replicate, shard
@@ -83,7 +91,8 @@ def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[i
 
 def init_mesh(*, replicate: int = 1, shard: int = -1, device_type: str | None = None) -> DeviceMesh:
     """A mesh over the default process group: 1D ``("shard",)`` when ``replicate == 1``, else 2D
-    ``("replicate", "shard")`` for HSDP. ``shard=-1`` takes the remaining ranks. ``device_type=None``:
+    ``("replicate", "shard")`` for HSDP. ``shard=-1`` (or ``replicate=-1``, with ``shard`` given) takes
+    the remaining ranks. ``device_type=None``:
     the process group's backend decides ([Note: device rule])."""
     for name, value in (("replicate", replicate), ("shard", shard)):
         if isinstance(value, bool) or not isinstance(value, int):

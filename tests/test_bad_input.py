@@ -237,7 +237,8 @@ FULLY_SHARD = [
         "mixed dtypes",
         lambda: (Mixed(), fl.fully_shard),
         ValueError,
-        r"trainable parameters reduce their gradients in 2 dtypes \(float32: a.weight.*bfloat16: b.weight.*param_dtype",
+        r"fully_shard\(Mixed\): its trainable parameters reduce their gradients in 2 dtypes "
+        r"\(float32: a.weight.*bfloat16: b.weight.*param_dtype",
     ),
     Case(
         "tie across groups",
@@ -580,7 +581,7 @@ YAML_CASES = [
     ("bad dtype", "mixed_precision: {param_dtype: bf61}\n", "mixed_precision.param_dtype", r"'bf61' is not a dtype"),
     ("reshard maybe", "reshard_after_forward: maybe\n", "reshard_after_forward", r"'maybe' is not valid here"),
     ("reshard 0", "reshard_after_forward: 0\n", "reshard_after_forward", r"rank count >= 1, got 0"),
-    ("replicate 0", "mesh: {replicate: 0}\n", "mesh.replicate", r"greater than or equal to 1"),
+    ("replicate 0", "mesh: {replicate: 0}\n", "mesh.replicate", r"positive rank count or -1 .*, got 0"),
     ("empty match", "wrap:\n  - match: {}\n", "wrap.0.match", r"needs 'class' and/or 'path'"),
     ("placement dim str", "shard_placement:\n  - {path: '*', dim: x}\n", "shard_placement.0.dim", r"valid integer"),
     ("placement no path", "shard_placement:\n  - {dim: 1}\n", "shard_placement.0.path", r"required|missing"),

@@ -99,6 +99,20 @@ def test_mesh_degrees() -> None:
         fl.config.MeshConfig(replicate=2, shard=3).resolve(8)
     with pytest.raises(ValueError, match=r"replicate\(3\) does not divide world_size\(8\)"):
         mesh.model_copy(update={"replicate": 3}).resolve(8)
+    # replicate: -1 takes the ranks shard leaves (HSDP over groups of a fixed size; issue 24)
+    groups_of_4 = fl.config.MeshConfig(replicate=-1, shard=4)
+    assert [groups_of_4.resolve(n) for n in (4, 8, 32)] == [(1, 4), (2, 4), (8, 4)]
+    with pytest.raises(ValueError, match=r"mesh shard\(4\) does not divide world_size\(6\), so replicate=-1"):
+        groups_of_4.resolve(6)
+    for bad, message in (
+        ({"replicate": -1}, r"replicate: -1 takes the ranks that shard leaves, so shard must be a number"),
+        ({"replicate": 0}, r"replicate must be a positive rank count or -1 \(the remaining ranks\), got 0"),
+        ({"replicate": -2, "shard": 2}, r"replicate must be a positive rank count or -1"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            fl.config.MeshConfig.model_validate(bad)
+    with pytest.raises(ValueError, match=r"only one degree can take the remaining ranks"):
+        fl.mesh.resolve_mesh_degrees(-1, -1, 8)
 
 
 # ---- planning ------------------------------------------------------------------------------------
@@ -259,6 +273,16 @@ def check_activation_checkpointing(rank: int, ws: int) -> None:
     assert len(calls) == 2 * 2 * TINY_GPT.n_layers, len(calls)  # 2 steps x (forward + recompute) per block
 
 
+def check_replicate_inferred(rank: int, ws: int) -> None:
+    """mesh: {shard: 1, replicate: -1} on 2 ranks: HSDP with 2 replicas of 1-rank shards."""
+    wrap = [{"match": {"class": "Block"}}]
+    config = fl.FSDPConfig.model_validate({"mesh": {"replicate": -1, "shard": 1}, "wrap": wrap})
+    model = tiny_gpt()
+    fl.apply_config(model, config)
+    mesh = model.tok_emb.weight.device_mesh
+    assert tuple(mesh.shape) == (2, 1) and mesh.mesh_dim_names == ("replicate", "shard")
+
+
 def check_mesh_mismatch(rank: int, ws: int) -> None:
     config = fl.FSDPConfig.model_validate(
         {"mesh": {"replicate": 2, "shard": 3}, "wrap": [{"match": {"class": "Block"}}]}
@@ -296,6 +320,7 @@ def test_apply_config_on_two_ranks() -> None:
         check_placement_and_group_flags,
         check_activation_checkpointing,
         check_mesh_mismatch,
+        check_replicate_inferred,
         check_schedule,
     )
 

@@ -170,6 +170,25 @@ def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> 
         assert report.detail, report  # every key says to what, or why not
 
 
+def test_mics_without_a_world_size_infers_the_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DeepSpeed config does not know its world size: mics_shard_size 4 becomes shard 4 with replicate -1,
+    resolved at launch (issue 24); the CLI needs no --world-size."""
+    m = migrate("deepspeed", FIXTURES / "deepspeed_mics.json")
+    assert (m.config.mesh.replicate, m.config.mesh.shard) == (-1, 4)
+    assert [m.config.mesh.resolve(n) for n in (4, 16)] == [(1, 4), (4, 4)]
+    report = {k.key: k for k in m.keys}["zero_optimization.mics_shard_size"]
+    assert report.status == "mapped" and "replicate -1 (world size / 4 at launch)" in report.detail
+    out = tmp_path / "mics.yaml"
+    assert main(["migrate", "--from", "deepspeed", str(FIXTURES / "deepspeed_mics.json"), "-o", str(out)]) == 0
+    assert fl.FSDPConfig.from_yaml(out).mesh.replicate == -1
+    assert main(["validate", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out), "--model", "fsdp2lite.models:gpt_small", "--world-size", "8"]) == 0
+    assert "(shard degree 4, replicate 2)" in capsys.readouterr().out
+    with pytest.raises(MigrationError, match=r"mics_shard_size 4 does not divide --world-size 6"):
+        migrate("deepspeed", FIXTURES / "deepspeed_mics.json", world_size=6)
+
+
 def test_reports_say_why() -> None:
     m = migrate("deepspeed", FIXTURES / "deepspeed_zero3_offload.json")
     by_key = {k.key: k for k in m.keys}
@@ -198,7 +217,6 @@ def test_unknown_keys_get_a_suggestion_and_exit_1(tmp_path: Path, capsys: pytest
     ("source", "text", "name", "match"),
     [
         ("deepspeed", '{"zero_optimization": {"stage": 1}}', "ds.json", r"ZeRO stage 1 does not shard parameters"),
-        ("deepspeed", '{"zero_optimization": {"stage": 3, "mics_shard_size": 4}}', "ds.json", r"pass --world-size"),
         (
             "deepspeed",
             '{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}',

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..mesh import resolve_mesh_degrees
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
@@ -46,15 +46,27 @@ class MeshConfig(BaseModel):
 
     model_config = _STRICT
 
-    replicate: int = Field(1, ge=1, description="replicas (outer mesh axis); 1 = plain FSDP")
+    replicate: int = Field(
+        1, description="replicas (outer mesh axis); 1 = plain FSDP; -1 = world_size / shard (set shard)"
+    )
     shard: int = Field(-1, description="ranks each parameter is sharded over; -1 = world_size / replicate")
 
-    @field_validator("shard")
+    @field_validator("replicate", "shard")
     @classmethod
-    def _shard_positive_or_auto(cls, value: int) -> int:
+    def _positive_or_auto(cls, value: int, info: ValidationInfo) -> int:
         if value != -1 and value < 1:
-            raise ValueError(f"shard must be a positive rank count or -1 (the remaining ranks), got {value}")
+            name = info.field_name
+            raise ValueError(f"{name} must be a positive rank count or -1 (the remaining ranks), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _one_auto_degree(self) -> MeshConfig:
+        if self.replicate == -1 and self.shard == -1:
+            raise ValueError(
+                "replicate: -1 takes the ranks that shard leaves, so shard must be a number (e.g. shard: 8 with "
+                "replicate: -1 is HSDP over groups of 8 ranks, as many groups as the world size allows)"
+            )
+        return self
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) for ``world_size`` ranks; raises with the numbers when they do not fit."""

@@ -49,11 +49,9 @@ def _ds_mics(m: Migration, value: Any) -> str:
     if int(value) <= 0:
         return "nothing (MiCS off)"
     world = m.data.get("_world_size")
-    if world is None:
-        raise MigrationError(
-            f"{m.path}: zero_optimization.mics_shard_size {value} becomes an HSDP mesh (shard {value}, replicate "
-            "world/shard): pass --world-size so the replicate degree can be computed"
-        )
+    if world is None:  # a DeepSpeed config does not know its world size: the launch decides the replicas
+        set_key(m, "mesh", {"replicate": -1, "shard": int(value)}, "zero_optimization.mics_shard_size")
+        return f"mesh: shard {int(value)}, replicate -1 (world size / {int(value)} at launch)"
     if world % int(value):
         raise MigrationError(f"{m.path}: mics_shard_size {value} does not divide --world-size {world}")
     set_key(m, "mesh", {"replicate": world // int(value), "shard": int(value)}, "zero_optimization.mics_shard_size")
