@@ -206,6 +206,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
+    env = environment(started)  # the code that runs: read before the runs, not after
     console = Console()
     if args.part == "convergence":
         record: dict[str, Any] = {"convergence": convergence_part(args.steps or 300)}
@@ -234,7 +235,7 @@ def main() -> None:
         table.add_row(*row)
     console.print(table)
     record["command"] = " ".join(sys.argv)
-    record["environment"] = environment(started)
+    record["environment"] = env
     if not args.no_save:
         stem = f"comm-{args.part}-cpu-{started.strftime('%Y%m%d-%H%M%S')}"
         md = f"# bench_comm ({args.part})\n\n`{record['command']}`\n\n{markdown_table(columns, rows)}\n\n"

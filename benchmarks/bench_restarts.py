@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
+    env = environment(started)  # the code that runs: read before the trials, not after
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -138,7 +139,7 @@ def main() -> None:
     columns = ("case", "passed", "failures")
     rows = [[case, f"{r['passed']}/{r['trials']}", ", ".join(sorted({o for o in r["outcomes"] if o != "ok"})) or "-"]
             for case, r in results.items()]  # fmt: skip
-    record: dict[str, Any] = {"results": results, "command": " ".join(sys.argv), "environment": environment(started)}
+    record: dict[str, Any] = {"results": results, "command": " ".join(sys.argv), "environment": env}
     md = "# bench_restarts\n\n`" + record["command"] + "`\n\n"
     md += "torchrun --standalone --nproc-per-node 2 --max-restarts 2 (c10d rendezvous, shared store), CPU/gloo; "
     md += "one rank SIGKILLed in the first attempt.\n\n" + markdown_table(columns, rows) + "\n\n"
