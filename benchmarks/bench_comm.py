@@ -12,7 +12,8 @@ for each mode (bf16 compute with fp32 reduction unless the mode says fp32):
              fp32 master, and the cosine of the reduced gradients against the default mode's.
 ``--part convergence`` trains ``examples/train.py`` under torchrun (2 ranks, bundled text, same seeds) on
 llama-tiny and fsdp2lite's GPT for ``--steps`` steps per mode: final loss and the largest per-step loss
-gap to the bf16 baseline.
+gap to the bf16 baseline; the bf16 baseline from seeds 1 and 2 says how far final losses land apart
+with no quantization at all (``--modes`` picks a subset).
 
 Why: the numbers behind README's "Communication" section and the choice of defaults.
 
@@ -160,26 +161,32 @@ def wire_part(shape: str, world: int, steps: int) -> dict[str, Any]:
     return record
 
 
-def convergence_part(steps: int) -> dict[str, Any]:
+CONVERGENCE_MODES: dict[str, tuple[dict[str, str], list[str]]] = {  # name: (communication, train.py args)
+    "bf16": ({}, []),
+    "int8 all-gather": ({"all_gather": "int8"}, []),
+    "all-to-all fp32": ({"reduce_scatter": "all_to_all"}, []),
+    "int8 all-to-all": ({"reduce_scatter": "int8"}, []),
+    # the same baseline from other seeds: how far apart final losses land with no quantization at all
+    "bf16 seed 1": ({}, ["--seed", "1"]),
+    "bf16 seed 2": ({}, ["--seed", "2"]),
+}
+
+
+def convergence_part(steps: int, modes: list[str]) -> dict[str, Any]:
     """examples/train.py under torchrun per model and mode; the losses of every step."""
     results: dict[str, Any] = {}
-    policies = {
-        "bf16": {},
-        "int8 all-gather": {"all_gather": "int8"},
-        "all-to-all fp32": {"reduce_scatter": "all_to_all"},
-        "int8 all-to-all": {"reduce_scatter": "int8"},
-    }
+    policies = {name: CONVERGENCE_MODES[name] for name in ["bf16", *[m for m in modes if m != "bf16"]]}
     base_configs = {"llama-tiny": REPO / "configs" / "hf_causal_lm.yaml", "gpt": REPO / "configs" / "bf16.yaml"}
     with tempfile.TemporaryDirectory() as tmp:
         for model, base in base_configs.items():
-            for mode, comm in policies.items():
+            for mode, (comm, extra) in policies.items():
                 config = Path(tmp) / f"{model}-{mode.replace(' ', '_')}.yaml"
                 text = base.read_text() + (f"\ncommunication: {json.dumps(comm)}\n" if comm else "")
                 config.write_text(text)
                 metrics = Path(tmp) / f"{config.stem}.jsonl"
                 command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "examples" / "train.py"), "--model-config", model, "--config", str(config),
-                           "--steps", str(steps), "--metrics", str(metrics), "--log-every", "1"]  # fmt: skip
+                           "--steps", str(steps), "--metrics", str(metrics), "--log-every", "1", *extra]  # fmt: skip
                 done = subprocess.run(
                     command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
                 )
@@ -202,6 +209,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="wire: measured steps (6); convergence: 300")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--shapes", nargs="+", default=["gpt", "params"], choices=sorted(CONFIGS))
+    parser.add_argument(
+        "--modes", nargs="+", default=list(CONVERGENCE_MODES), choices=list(CONVERGENCE_MODES),
+        help="convergence: the modes to train (bf16 always runs: the baseline)",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -209,7 +220,7 @@ def main() -> None:
     env = environment(started)  # the code that runs: read before the runs, not after
     console = Console()
     if args.part == "convergence":
-        record: dict[str, Any] = {"convergence": convergence_part(args.steps or 300)}
+        record: dict[str, Any] = {"convergence": convergence_part(args.steps or 300, args.modes)}
         table = Table(title=f"convergence: examples/train.py, {args.steps or 300} steps, 2 gloo ranks")
         rows = [[model, mode, f"{v['final_loss']:.4f}", f"{100 * v['final_vs_bf16']:+.2f}%", f"{v['max_step_gap']:.4f}"]
                 for model, modes in record["convergence"]["summary"].items() for mode, v in modes.items()]  # fmt: skip
