@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -245,7 +246,7 @@ def main() -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    record["command"] = " ".join(sys.argv)
+    record["command"] = shlex.join(sys.argv)
     record["environment"] = env
     if not args.no_save:
         stem = f"comm-{args.part}-cpu-{started.strftime('%Y%m%d-%H%M%S')}"
