@@ -51,23 +51,28 @@ def encoded_sizes(numel: int, block: int) -> tuple[int, int]:
 
 def encode(values: torch.Tensor, block: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` as (codes, fp32 scales), block by block along the last dim (a 1-D tensor: the whole of
-    it): codes (..., blocks * block), scales (..., blocks)."""
+    it): codes (..., blocks * block), scales (..., blocks). Few passes over the data: the absmax from one
+    ``aminmax``, the division into a new tensor, then rounding and clamping in place."""
     lead = tuple(values.shape[:-1])
     flat = values.float().reshape(*lead, -1)
     padded, blocks = encoded_sizes(flat.shape[-1], block)
-    rows = torch.nn.functional.pad(flat, (0, padded - flat.shape[-1])).view(*lead, blocks, block)
-    scales = rows.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / _MAX[kind]
-    scaled = rows / scales[..., None]
-    codes = scaled.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else scaled.to(torch.float8_e4m3fn)
+    if padded != flat.shape[-1]:  # a block-aligned staging buffer needs no padding copy
+        flat = torch.nn.functional.pad(flat, (0, padded - flat.shape[-1]))
+    rows = flat.view(*lead, blocks, block)
+    low, high = torch.aminmax(rows, dim=-1)
+    scales = torch.maximum(high, low.neg_()).clamp_min_(torch.finfo(torch.float32).tiny).div_(_MAX[kind])
+    scaled = torch.div(rows, scales[..., None])
+    codes = scaled.round_().clamp_(-127, 127).to(torch.int8) if kind == "int8" else scaled.to(torch.float8_e4m3fn)
     return codes.view(*lead, padded), scales
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``encode`` for ``codes`` (..., blocks * block) and ``scales`` (..., blocks): values in
-    ``dtype``, padding included."""
-    blocks = scales.shape[-1]
-    rows = codes.reshape(*codes.shape[:-1], blocks, block).float() * scales[..., None]
-    return rows.reshape(*codes.shape[:-1], blocks * block).to(dtype)
+    ``dtype``, padding included (int8 codes multiply their scales directly, without a float copy)."""
+    lead, blocks = codes.shape[:-1], scales.shape[-1]
+    grid = codes.reshape(*lead, blocks, block)
+    rows = torch.mul(grid if grid.dtype == torch.int8 else grid.float(), scales[..., None])
+    return rows.reshape(*lead, blocks * block).to(dtype)
 
 
 def exchange_rows(
