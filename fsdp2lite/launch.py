@@ -84,7 +84,7 @@ def attempt_store(store: dist.Store, rank: int, world_size: int, timeout: timede
     else:
         store.set(f"{_ROOT}/join/{rank}", token)
         attempt = store.get(f"{_ROOT}/ack/{token}").decode()  # waits (store timeout) for rank 0
-        store.set(f"{_ROOT}/{attempt}/ready/{rank}", b"1")
+        store.set(f"{_ROOT}/{attempt}/ready/{rank}", "1")
     return dist.PrefixStore(f"{_ROOT}/{attempt}/", store)
 
 

@@ -6,6 +6,7 @@ Dtype fields take a ``torch.dtype`` or one of its names and always hold a ``torc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import torch
@@ -177,7 +178,7 @@ def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def reduce_dtype_problem(
-    named_params: dict[str, torch.Tensor], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+    named_params: Mapping[str, torch.Tensor], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
 ) -> str | None:
     """Why these parameters (of one group) cannot be reduce-scattered together, or None. A group's
     gradients are one reduce-scatter in one dtype, so its *trainable* parameters must reduce in one

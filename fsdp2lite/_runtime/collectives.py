@@ -195,7 +195,7 @@ def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], lis
     """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
     the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather]);
     a parameter with all-gather hooks contributes its hook's inputs ([Note: all-gather extension])."""
-    sources = []
+    sources: list[torch.Tensor] = []
     for param in params:
         if param.extension is not None:
             sources.extend(t.view(torch.uint8) for t in param.extension_inputs())

@@ -252,8 +252,8 @@ class FSDPParamGroup:
             as_bytes = dtype is None  # kept whole all-gather slots: [Note: post-forward reshard]
             for param in self._extension_params:
                 param.extension.reallocate()  # type: ignore[union-attr]  # its hook is not called again
-            kind = torch.uint8 if dtype is None else dtype
-            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, kind, self.comm)
+            wire = torch.uint8 if dtype is None else dtype
+            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, wire, self.comm)
             size = self.mesh_info.shard_size if as_bytes else sub.size  # slots of the full group, or k chunks
             self.pending_unshard = PendingUnshard(result, size, numels, as_bytes=as_bytes)
         else:
@@ -286,7 +286,7 @@ class FSDPParamGroup:
                 sources, numels = byte_sources(self.params)
             result = issue_all_gather(
                 sources, numels, info.shard_group, info.shard_size, info.shard_rank,
-                torch.uint8 if as_bytes else dtype, self.comm,
+                torch.uint8 if dtype is None else dtype, self.comm,
                 self.custom_all_gather,
             )  # fmt: skip
             self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=as_bytes)
