@@ -261,6 +261,7 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
         (["--weights", "w", "--model-config", "llama-tiny"], "--weights w and --model-config llama-tiny: pass one"),
         (["--model-config", "gpt2-tiny", "--seq", "2048"], "--seq 2048: gpt2-tiny takes at most 1024 positions"),
         (["--resume", "ck/step-0000009"], "--resume ck/step-0000009: not a finished checkpoint of this script"),
+        (["--pg-timeout", "0"], "--pg-timeout must be a positive number of seconds, got 0"),
     ],
     ids=[
         "missing-config",
@@ -273,6 +274,7 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
         "weights-and-model-config",
         "seq-too-long",
         "no-checkpoint",
+        "pg-timeout-zero",
     ],
 )
 def test_bad_arguments_stop_every_rank_cleanly(args: list[str], message: str, tmp_path: Path) -> None:
