@@ -79,12 +79,12 @@ def analytic_estimate(
     host = int((terms["S"] + terms["O"]) * share) + terms["G_h"]  # shards, optimizer state and gradients
     for key in ("S", "O", "T"):
         terms[key] = int(terms[key] * (1 - share))  # what stays on the device
-    terms["A"], terms["L"] = _cached_trace(cache, model_fn, config, inputs_fn, batch, seq, ())
+    terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
     if checkpointed:
         full = terms["A"]
-        terms["A"], _ = _cached_trace(cache, model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
+        terms["A"], _ = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
         terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
     name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
     notes: tuple[str, ...] = (
@@ -194,7 +194,7 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     }
 
 
-def _cached_trace(
+def _trace_activations(
     cache: dict[Any, Any],
     model_fn: Callable[[], nn.Module],
     config: FSDPConfig,
@@ -203,27 +203,16 @@ def _cached_trace(
     seq: int | None,
     checkpointed: tuple[str, ...],
 ) -> tuple[int, int]:
-    """``_trace_activations``, once per compute dtype and checkpointed set in ``cache``."""
-    key = ("trace", config.mixed_precision.param_dtype, checkpointed)
-    if key not in cache:
-        cache[key] = _trace_activations(model_fn, config, inputs_fn, batch, seq, checkpointed)
-    return cache[key]
-
-
-def _trace_activations(
-    model_fn: Callable[[], nn.Module],
-    config: FSDPConfig,
-    inputs_fn: Callable[[], Any] | None,
-    batch: int,
-    seq: int | None,
-    checkpointed: tuple[str, ...],
-) -> tuple[int, int]:
     """(bytes autograd saves in one forward and loss of the plain model, bytes of its output), on fake
-    tensors in the compute dtype (the config's top-level param_dtype, if any)."""
+    tensors in the compute dtype (the config's top-level param_dtype, if any); traced once per compute
+    dtype and checkpointed set in ``cache``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
 
     dtype = config.mixed_precision.param_dtype
+    memo = ("trace", dtype, checkpointed)
+    if memo in cache:
+        return cache[memo]
     seen: set[Any] = set()
     saved = 0
     output_bytes = 0
@@ -257,4 +246,5 @@ def _trace_activations(
                 output = model(*inputs)
                 first = first_floating(output)
                 output_bytes = first.numel() * first.element_size()
+    cache[memo] = (saved, output_bytes)
     return saved, output_bytes
