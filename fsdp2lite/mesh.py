@@ -76,14 +76,17 @@ def resolve_mesh_degrees(replicate: int, shard: int, world_size: int) -> tuple[i
         raise ValueError(
             "mesh replicate(-1) and shard(-1): only one degree can take the remaining ranks; set the other"
         )
-    known, other = ("shard", shard) if replicate == -1 else ("replicate", replicate)
     if -1 in (replicate, shard):
-        if world_size % other:
+        given, degree, auto = ("shard", shard, "replicate") if replicate == -1 else ("replicate", replicate, "shard")
+        if world_size % degree:
             raise ValueError(
-                f"mesh {known}({other}) does not divide world_size({world_size}), "
-                f"so {'replicate' if known == 'shard' else 'shard'}=-1 cannot take the remaining ranks"
+                f"mesh {given}({degree}) does not divide world_size({world_size}), "
+                f"so {auto}=-1 cannot take the remaining ranks"
             )
-        replicate, shard = (world_size // shard, shard) if replicate == -1 else (replicate, world_size // replicate)
+        if replicate == -1:
+            replicate = world_size // shard
+        else:
+            shard = world_size // replicate
     if replicate * shard != world_size:
         raise ValueError(f"mesh replicate({replicate}) * shard({shard}) != world_size({world_size})")
     return replicate, shard

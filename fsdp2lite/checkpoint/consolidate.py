@@ -196,23 +196,11 @@ def check_output(out: Path, force: bool) -> None:
 Load = Callable[[TensorEntry], torch.Tensor]
 
 
-class _MetadataOnceReader(SafeFileSystemReader):
-    """A FileSystemReader that returns metadata read once: ``dcp.load`` reads it on every call, and
-    ``.metadata`` of many ranks' shards can be megabytes, read once per tensor."""
-
-    _metadata: Metadata
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
 def tensor_loader(ckpt_dir: Path, metadata: Metadata) -> Load:
     """``load(entry)``: the full tensor ``entry.key`` read from every shard, cast to ``entry.dtype``."""
-    reader = _MetadataOnceReader(ckpt_dir, metadata)
+    # the metadata read once: dcp.load reads it on every call, and .metadata of many ranks' shards can be
+    # megabytes, read once per tensor
+    reader = SafeFileSystemReader(ckpt_dir, metadata)
 
     def load(entry: TensorEntry) -> torch.Tensor:
         full_tensor = torch.empty(entry.shape, dtype=entry.stored_dtype)  # every saved chunk is copied in

@@ -57,13 +57,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     were."""
     _check_arguments("load_checkpoint", path, model, optimizer)
     state = _state(model, optimizer)
-    check_checkpoint(path, state)
+    metadata = check_checkpoint(path, state)
     staged = _staged(state)
     try:
-        # the safe reader and planner: no code from the checkpoint runs ([Note: safe metadata])
-        dcp.load(staged, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
+        # the safe reader (given the metadata just checked) and planner: no code from the checkpoint runs
+        reader = SafeFileSystemReader(str(path), metadata)
+        dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner(path))  # [Note: safe metadata]
     except (Exception, CheckpointException) as exc:
-        damaged = damaged_items(path, read_metadata(path))
+        damaged = damaged_items(path, metadata)
         cause = "; ".join(damaged[:4]) if damaged else _first_failure(exc)
         raise CheckpointError(
             f"{path}: reading failed, nothing was loaded (model and optimizer unchanged): {cause}"
@@ -148,13 +149,15 @@ def read_metadata(path: str | Path) -> Metadata:
     return load_metadata(path)
 
 
-def check_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Compare a checkpoint with the state it would load into; raise listing every problem."""
+def check_checkpoint(path: str | Path, state: dict[str, Any]) -> Metadata:
+    """Compare a checkpoint with the state it would load into; raise listing every problem. Returns the
+    metadata it read, for the load that follows."""
     metadata = read_metadata(path)
     problems = _key_problems(metadata, _flatten(state)) + _file_problems(Path(path), metadata)
     if problems:
         listing = "\n  ".join(problems)
         raise CheckpointError(f"{path} does not fit this model ({len(problems)} problem(s)):\n  {listing}")
+    return metadata
 
 
 def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

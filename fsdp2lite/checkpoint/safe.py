@@ -166,13 +166,20 @@ def _inside(relative: str) -> bool:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` (what ``dcp.load`` calls) is ``load_metadata``."""
+    """``FileSystemReader`` whose ``read_metadata`` (what ``dcp.load`` calls) is ``load_metadata``; given
+    ``metadata`` (already read that way), it hands that back instead of reading the file again."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._read = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata_path = getattr(self, "_get_metadata_path", None)  # newer torch: per-rank metadata files
-        path = metadata_path(kwargs.get("rank")) if metadata_path else Path(self.path) / ".metadata"
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(Path(self.path), stream)
+        metadata = self._read
+        if metadata is None:
+            metadata_path = getattr(self, "_get_metadata_path", None)  # newer torch: per-rank metadata files
+            path = metadata_path(kwargs.get("rank")) if metadata_path else Path(self.path) / ".metadata"
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_metadata(Path(self.path), stream)
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is not None and hasattr(storage_meta, "load_id"):
             storage_meta.load_id = self.load_id  # as torch's reader does
