@@ -42,7 +42,7 @@ from .collectives import (
 )
 from .comm import AllGatherResult, Comm
 from .param import FSDPParam
-from .quantize import block_segments, copy_out_quantized, issue_quantized_all_gather
+from .quantize import block_segments, copy_out_quantized, encode_group
 from .states import ShardedState, TrainingState
 
 
@@ -264,17 +264,12 @@ class FSDPParamGroup:
                     staging_numel = sum(block_segments(self.params, block))
                     dtype, device = self.params[0].orig_dtype, self.comm.device
                     self._staging = torch.zeros(staging_numel, dtype=dtype, device=device)
-                result, code_bytes = issue_quantized_all_gather(
-                    self.params,
-                    self._staging,
-                    info.shard_group,
-                    info.shard_size,
-                    info.shard_rank,
-                    self.comm,
-                    kind,
-                    block,
-                )
-                numels = [p.padded_numel for p in self.params]
+                codes, scales = encode_group(self.params, self._staging, self.comm, kind, block)
+                result = issue_all_gather(
+                    [codes, scales], [codes.numel(), scales.numel()], info.shard_group, info.shard_size,
+                    info.shard_rank, torch.uint8, self.comm,
+                )  # fmt: skip
+                code_bytes, numels = codes.numel(), [p.padded_numel for p in self.params]
                 self.pending_unshard = PendingUnshard(result, info.shard_size, numels, False, code_bytes)
                 self.trace("all_gather_issue")
                 return

@@ -3,7 +3,8 @@
 [Note: quantized collectives]
 ``CommPolicy(all_gather="int8")``: before the all-gather each rank encodes its slot of the group (its
 parameters' padded flat shards side by side, in their own precision, e.g. the fp32 masters) in one pass, in
-blocks of ``block_size`` elements (a block may span two parameters), one fp32 absmax scale per block:
+blocks of ``block_size`` elements (each parameter's segment padded to whole blocks, so a block never spans
+two parameters), one fp32 absmax scale per block:
 ``q = round(x / s)``, ``s = absmax / 127`` (fp8: ``x / s`` in e4m3, ``s = absmax / 448``). The group's one
 uint8 collective carries each rank's codes then its scales; each rank decodes all slots in one pass into a
 (shard_size, group_numel) buffer in param_dtype, which the usual copy-out splits into the parameters (one
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .comm import AllGatherResult, Comm, all_gather_flat
+from .comm import Comm
 
 if TYPE_CHECKING:
     from .param import FSDPParam
@@ -108,34 +109,19 @@ def block_segments(params: tuple[FSDPParam, ...], block: int) -> list[int]:
     return [-(-p.padded_numel // block) * block for p in params]
 
 
-def issue_quantized_all_gather(
-    params: tuple[FSDPParam, ...],
-    staging: torch.Tensor,
-    group: dist.ProcessGroup,
-    group_size: int,
-    group_rank: int,
-    comm: Comm,
-    kind: str,
-    block: int,
-) -> tuple[AllGatherResult, int]:
-    """The group's all-gather, quantized ([Note: quantized collectives]): the flat shards copied into their
-    block-aligned segments of ``staging`` (one foreach copy; the padding stays zero), encoded in one pass,
-    codes then scales in this rank's byte slot, one uint8 all-gather. Returns (the result, the code bytes
-    of a slot)."""
+def encode_group(
+    params: tuple[FSDPParam, ...], staging: torch.Tensor, comm: Comm, kind: str, block: int
+) -> list[torch.Tensor]:
+    """This rank's slot of the group's quantized all-gather ([Note: quantized collectives]), as bytes: the
+    flat shards copied into their block-aligned segments of ``staging`` (one foreach copy; the padding
+    stays zero) and encoded in one pass, on the copy-in stream. Returns [codes, scales]; the caller
+    all-gathers them as one uint8 slot (``collectives.issue_all_gather``)."""
     with comm.on("all_gather_copy_in"):
         segments = torch.split(staging, block_segments(params, block))
         targets = [segment[: p.padded_numel] for segment, p in zip(segments, params)]
         torch._foreach_copy_(targets, [p.flat_shard for p in params], non_blocking=True)
         codes, scales = encode(staging, block, kind)
-        slot = codes.nbytes + scales.nbytes
-        all_gather_output = torch.empty(group_size * slot, dtype=torch.uint8, device=comm.device)
-        all_gather_input = all_gather_output.narrow(0, group_rank * slot, slot)
-        torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], out=all_gather_input)
-    copied_in = comm.record("all_gather_copy_in")
-    with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
-        work = all_gather_flat(all_gather_output, all_gather_input, group=group, async_op=comm.async_work)
-    comm.count("all_gather", (group_size - 1) * slot)
-    return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather")), codes.nbytes
+    return [codes.view(torch.uint8), scales.view(torch.uint8)]
 
 
 def copy_out_quantized(
