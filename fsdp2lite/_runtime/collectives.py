@@ -64,6 +64,10 @@ flat buffer can go). The same example as above:
 
 The bytes on the wire are the same; the clone is gone: a group's reduction holds 1x its unsharded
 bytes instead of 2x, plus its sharded output (benchmarks/gloo_memory.py measures both collectives).
+One rank (any backend) reduces in place too, sending nothing, and there the slot is the whole input:
+it is kept as the sharded gradients' storage, not cloned, so the reduction holds the group's gradient
+bytes once (a clone held them twice for a moment, 2.6 MB above torch's fully_shard at a 4-block fp32
+GPT's backward peak; now below it).
 On every other backend (NCCL, the fake process group) the reduce-scatter is a native one.
 """
 
@@ -340,12 +344,15 @@ def finish_reduce_scatter(
     """
     comm.wait(result.work, result.event)  # CPU: the output is written; CUDA: compute orders after it
     output = result.reduce_scatter_output
+    # one rank: the slot is the whole input, kept as the gradients' storage ([Note: gloo reduce-scatter])
+    whole_input = result.in_place and output.numel() == result.reduce_scatter_input.numel()
     if result.mode is not None:  # the rows every rank sent this one, summed: [Note: quantized collectives]
         group_numel = sum(p.padded_numel for p in result.params)
         output = sum_received(output, result.mode, group_numel, result.block, result.params[0].reduce_dtype)
-    elif result.in_place:
+    elif result.in_place and not whole_input:
         output = output.clone()  # (group_numel,), off the flat input: [Note: gloo reduce-scatter]
-    comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
+    if not whole_input:
+        comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
     if replicate_group is not None:
         slots = _slots(output, result.params)
         if not all_reduce:
