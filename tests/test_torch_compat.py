@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -324,17 +324,38 @@ class MixedDtypeBlock(nn.Module):
         return self.lin(x) + (x @ self.frozen.float().t()).sum(-1, keepdim=True) * scale
 
 
+def _torch_shards_integer_params() -> bool:
+    """torch 2.11's fully_shard makes every sharded parameter require grad first, which integer tensors
+    cannot ("only Tensors of floating point dtype can require gradients"); torch 2.13's does not."""
+    holder = nn.Module()
+    holder.codes = nn.Parameter(torch.zeros(2, 2, dtype=torch.int8), requires_grad=False)
+    try:
+        _torch_fully_shard()(holder, mesh=cpu_mesh())
+    except RuntimeError as exc:
+        if "floating point dtype can require gradients" not in str(exc):
+            raise
+        return False
+    return True
+
+
 def check_frozen_params_of_another_dtype(rank: int, world_size: int) -> None:
+    """fsdp2lite shards the frozen int8 weight on every torch; where torch's fully_shard cannot (torch
+    2.11), the oracle leaves it unsharded (ignored_params): the same values, so the same math."""
     mesh = cpu_mesh()
     torch.manual_seed(9)
     model = nn.Sequential(MixedDtypeBlock(), MixedDtypeBlock())
     ref = copy.deepcopy(model)
-    for m, shard in ((model, fl.fully_shard), (ref, _torch_fully_shard())):
-        for block in m:
-            shard(block, mesh=mesh)
-        shard(m, mesh=mesh)
+    oracle_ignores = set() if _torch_shards_integer_params() else {block.codes for block in ref}
+    for block in model:
+        fl.fully_shard(block, mesh=mesh)
+    fl.fully_shard(model, mesh=mesh)
+    for block in ref:
+        _torch_fully_shard()(block, mesh=mesh, ignored_params=oracle_ignores & {block.codes} or None)
+    _torch_fully_shard()(ref, mesh=mesh, ignored_params=oracle_ignores or None)
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
-        assert p.dtype == r.dtype and p.to_local().shape == r.to_local().shape, n
+        assert isinstance(p, DTensor) and p.dtype == r.dtype, n
+        if r not in oracle_ignores:
+            assert p.to_local().shape == r.to_local().shape, n
     _train_pair(model, ref, rank, "mixed dtypes", steps=2, batch_fn=_x8, loss_fn=lambda m, x: m(x).pow(2).mean())
 
 
@@ -400,12 +421,20 @@ def check_share_comm_ctx(rank: int, world_size: int) -> None:
         fl.share_comm_ctx([nn.Linear(2, 2)])
 
 
-def check_dp_mesh_dims_is_refused_clearly(rank: int, world_size: int) -> None:
-    from torch.distributed.fsdp import DataParallelMeshDims
+class _MeshDims(NamedTuple):
+    """The fields of torch's DataParallelMeshDims, for torch versions without it (2.11)."""
 
+    shard: str
+    replicate: str
+
+
+def check_dp_mesh_dims_is_refused_clearly(rank: int, world_size: int) -> None:
+    import torch.distributed.fsdp as torch_fsdp
+
+    mesh_dims = getattr(torch_fsdp, "DataParallelMeshDims", _MeshDims)  # torch 2.13 has it, 2.11 not
     model = UnevenMLP()
     with pytest.raises(NotImplementedError, match=r"mesh=mesh\['dp_replicate', 'dp_shard'\]"):
-        fl.fully_shard(model, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"))
+        fl.fully_shard(model, dp_mesh_dims=mesh_dims(shard="dp_shard", replicate="dp_replicate"))
     assert not isinstance(model, fl.FSDPModule)
 
 

@@ -288,33 +288,47 @@ class MoE(nn.Module):
         return self.out(self.blocks[0](self.inp(x)))
 
 
-def check_reduce_scatter_unused_params(rank: int, ws: int) -> None:
+def _train_unused_params(rank: int, against_torch: bool) -> None:
     """Ranks use different experts of one group (routes change per step, an expert may be unused on
     a rank): with the flag every rank reduces the same layout, zeros for what it did not use, and
-    training matches DDP(find_unused_parameters=True)."""
+    training matches DDP(find_unused_parameters=True) and, with ``against_torch``, torch's fully_shard
+    with the same flag."""
     routes = [([0], [1, 2]), ([0, 1], [2]), ([2], [0, 1, 2])]  # per step: rank 0's, rank 1's experts
     torch.manual_seed(0)
     model = MoE()
     ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    twin = oracle(model)
-    twin.set_reduce_scatter_unused_params(True)
+    twin = oracle(model) if against_torch else None
+    if twin is not None:
+        twin.set_reduce_scatter_unused_params(True)
     shard_all(model)
     model.set_reduce_scatter_unused_params(True)
     assert all(g.reduce_scatter_unused_params for g in (model._fsdp_state.group, model.blocks[0]._fsdp_state.group))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp, twin)]
+    nets = [model, ddp] if twin is None else [model, ddp, twin]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in nets]
     for step, route in enumerate(routes):
         for net in (model, ddp.module, twin):
-            net.blocks[0].route = route[rank]
+            if net is not None:
+                net.blocks[0].route = route[rank]
         g = torch.Generator().manual_seed(step * 10 + rank)
         x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
-        losses = [(net(x) - y).pow(2).mean() for net in (model, ddp, twin)]
+        losses = [(net(x) - y).pow(2).mean() for net in nets]
         for loss in losses:
             loss.backward()
         torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
-        assert_same_as(model, twin, f"unused params step {step}")
+        if twin is not None:
+            assert_same_as(model, twin, f"unused params step {step}")
         step_both(model, ddp, opts, f"unused params step {step}")
     with pytest.raises(TypeError, match=r"reduce_scatter_unused_params must be True or False"):
         model.set_reduce_scatter_unused_params(None)  # type: ignore[arg-type]
+
+
+def check_reduce_scatter_unused_params(rank: int, ws: int) -> None:
+    """fsdp2lite's flag against DDP, on every torch."""
+    _train_unused_params(rank, against_torch=False)
+
+
+def check_reduce_scatter_unused_params_against_torch(rank: int, ws: int) -> None:
+    _train_unused_params(rank, against_torch=True)
 
 
 # ---- set_post_optim_event (CPU: a clear error) -------------------------------------------------
@@ -326,6 +340,21 @@ def check_post_optim_event_on_cpu(rank: int, ws: int) -> None:
         model.set_post_optim_event("after step")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"orders CUDA streams; this model is on a 'cpu' mesh"):
         model.set_post_optim_event(torch.Event("cpu") if hasattr(torch, "Event") else None)  # type: ignore[arg-type]
+
+
+def _torch_has_unused_params_flag() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+@pytest.mark.skipif(
+    not _torch_has_unused_params_flag(),
+    reason=f"torch {torch.__version__}'s fully_shard has no set_reduce_scatter_unused_params (torch 2.13's has): "
+    "no oracle; fsdp2lite's flag is still checked against DDP in test_training_controls",
+)
+def test_reduce_scatter_unused_params_matches_torchs_fully_shard() -> None:
+    spawn_checks(2, check_reduce_scatter_unused_params_against_torch)
 
 
 def test_training_controls() -> None:
