@@ -44,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _version(package: str) -> str:
+    if package == "torch":
+        import torch
+
+        return str(torch.__version__)  # the build's own: "2.11.0+cu130" where pip's metadata says "2.11.0"
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
