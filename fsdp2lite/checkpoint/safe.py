@@ -165,6 +165,25 @@ def _inside(relative: str) -> bool:
     return relative not in ("", ".")
 
 
+class RefusedMetadata:
+    """What ``SafeFileSystemReader.read_metadata`` hands ``dcp.load`` for a ``.metadata`` it refused: any
+    use of it raises that refusal.
+
+    [Note: refusal inside dcp.load]
+    ``dcp.load`` calls ``read_metadata`` inside ``except Exception`` and falls back to per-rank metadata:
+    torch 2.11 then reports only ``AssertionError: metadata is None`` and 2.13 logs the refusal as a
+    warning with a traceback. Handed this object instead, the load goes on to its first use of the
+    metadata (the planner's or reader's set-up, before any tensor is read) and fails there with
+    fsdp2lite's own message, naming the refused global and the path, on every torch version.
+    """
+
+    def __init__(self, refusal: CheckpointError) -> None:
+        self._refusal = refusal
+
+    def __getattr__(self, name: str) -> Any:
+        raise self._refusal
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` (what ``dcp.load`` calls) is ``load_metadata``; given
     ``metadata`` (already read that way), it hands that back instead of reading the file again."""
@@ -178,8 +197,11 @@ class SafeFileSystemReader(FileSystemReader):
         if metadata is None:
             metadata_path = getattr(self, "_get_metadata_path", None)  # newer torch: per-rank metadata files
             path = metadata_path(kwargs.get("rank")) if metadata_path else Path(self.path) / ".metadata"
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = load_metadata(Path(self.path), stream)
+            try:
+                with self.fs.create_stream(path, "rb") as stream:
+                    metadata = load_metadata(Path(self.path), stream)
+            except CheckpointError as refusal:
+                return RefusedMetadata(refusal)  # type: ignore[return-value]  # [Note: refusal inside dcp.load]
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is not None and hasattr(storage_meta, "load_id"):
             storage_meta.load_id = self.load_id  # as torch's reader does
