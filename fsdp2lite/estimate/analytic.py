@@ -9,7 +9,8 @@ Terms, per rank (bytes):
     A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
         counted once), incl. the loss's; with activation checkpointing, traced with it (block inputs)
     A_r with activation checkpointing: one checkpointed module's activations, recomputed in its backward
-    L   the model output (logits): backward starts with two temporaries of its size
+    L   the model output (logits), at the size the loss saves it (an fp32 upcast for Hugging Face models):
+        backward starts with two temporaries of its size
 Candidates for the peak:
     backward, at its start:   S + O + R + A + 2 L
     backward, in a block:     S + O + R + R + 4 B + A - L (root grads, a block's params, grads, reduce
@@ -216,13 +217,16 @@ def _trace_activations(
     seen: set[Any] = set()
     saved = 0
     output_bytes = 0
+    by_numel: dict[int, int] = {}  # numel -> the largest saved storage of that many elements
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal saved
         key = StorageWeakRef(tensor.untyped_storage())  # views of one storage count once
         if key not in seen:
             seen.add(key)
-            saved += tensor.untyped_storage().nbytes()
+            nbytes = tensor.untyped_storage().nbytes()
+            saved += nbytes
+            by_numel[tensor.numel()] = max(by_numel.get(tensor.numel(), 0), nbytes)
         return tensor
 
     with FakeTensorMode():
@@ -241,7 +245,10 @@ def _trace_activations(
                 step_loss(model, inputs, token_model)
                 element = element_size(dtype) if dtype is not None else 4
                 vocab = token_spec(model)[0]  # type: ignore[index]
-                output_bytes = inputs[0].numel() * vocab * element
+                logits = inputs[0].numel() * vocab
+                # a loss that upcasts the logits (Hugging Face's: fp32) saves them at that size, and the
+                # backward's first temporaries (the gradients of loss and logits) are of that size too
+                output_bytes = max(logits * element, by_numel.get(logits, 0))
             else:
                 output = model(*inputs)
                 first = first_floating(output)
