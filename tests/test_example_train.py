@@ -145,12 +145,23 @@ def gpt2_with_tokenizer(directory: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run A alone. The killed-rank tests need nothing else: under pytest-xdist a worker that runs only
+    them launches one job here, not the eight of ``runs``. Each launch starts torch and transformers in
+    every process, most of a run's time: about 25 s a launch on a 16-core GPU machine (torch 2.11, CUDA
+    hidden), where the eight launches of ``runs`` plus a killed-rank job passed pytest-timeout's 200 s."""
     tmp = tmp_path_factory.mktemp("train")
     (tmp / "fp32.yaml").write_text(LAYERS_FP32)
     base = [*COMMON, "--config", "fp32.yaml"]
-    out: dict[str, Any] = {"tmp": tmp}
-    out["A"] = record(torchrun(*base, "--checkpoint-dir", "ckA", "--save-every", "2", "--metrics", "A.jsonl", cwd=tmp))
+    a = record(torchrun(*base, "--checkpoint-dir", "ckA", "--save-every", "2", "--metrics", "A.jsonl", cwd=tmp))
+    return {"tmp": tmp, "A": a}
+
+
+@pytest.fixture(scope="module")
+def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
+    tmp = uninterrupted["tmp"]
+    base = [*COMMON, "--config", "fp32.yaml"]
+    out: dict[str, Any] = dict(uninterrupted)
     shutil.copytree(tmp / "ckA" / "step-0000002", tmp / "ckB" / "step-0000002")
     (tmp / "ckB" / "step-0000003").mkdir()  # a save that never finished: no train_state.json
     out["B"] = record(torchrun(*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl", cwd=tmp))
@@ -328,11 +339,11 @@ def test_resume_from_a_hostile_checkpoint_runs_no_code(runs: dict[str, Any]) -> 
     ["1:step:3", "0:save:4"],
     ids=["rank-1-killed-after-step-3", "rank-0-killed-writing-the-step-4-checkpoint"],
 )
-def test_a_killed_rank_is_restarted_and_resumes_exactly(runs: dict[str, Any], fault: str) -> None:
+def test_a_killed_rank_is_restarted_and_resumes_exactly(uninterrupted: dict[str, Any], fault: str) -> None:
     """issue 24: under torchrun's c10d rendezvous with --max-restarts 2, a rank SIGKILLed mid-training or
     while a checkpoint is written brings the job back (fl.init_process_group: keys private to the attempt);
     --resume latest picks the last finished checkpoint (step 2) and steps 3-4 equal A's, bit for bit."""
-    tmp = runs["tmp"]
+    tmp = uninterrupted["tmp"]
     name = fault.replace(":", "-")
     args = [*COMMON, "--config", "fp32.yaml", "--checkpoint-dir", f"ck-{name}", "--save-every", "2"]
     args += ["--resume", "latest", "--metrics", f"{name}.jsonl"]
