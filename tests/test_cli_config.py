@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _cpu_env import cpu_env
 from _models import tiny_llama
 
 from fsdp2lite.cli import main
@@ -113,6 +114,7 @@ def test_validate_console_script_has_no_traceback(tmp_path: Path) -> None:
     bad = _write(tmp_path, "offload: {device: gpu}\n")
     result = subprocess.run(
         [sys.executable, "-m", "fsdp2lite", "validate", bad, str(tmp_path / "missing.yaml")],
+        env=cpu_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -19,7 +19,6 @@ can be checked: rank 0 prints one clear error, every rank exits 2 without a trac
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from _cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -38,12 +38,7 @@ LAYERS_FP32 = "wrap:\n  - match: {class: LlamaDecoderLayer}\n"
 
 
 def env() -> dict[str, str]:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return {**clean, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, also on a GPU machine
+    return cpu_env()  # CPU and gloo, also on a GPU machine
 
 
 def torchrun(

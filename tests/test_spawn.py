@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _cpu_env import cpu_env
 from _dist import spawn
 
 
@@ -24,7 +25,7 @@ def test_exit_rank_process_flushes_and_skips_finalization() -> None:
         "exit_rank_process()\n"
         "print('not reached')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], env=cpu_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert done.stdout == "out"  # flushed, and the atexit handler (finalization) never ran
     assert done.stderr == "err"
