@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from _cpu_env import cpu_env
 
 import fsdp2lite
 from fsdp2lite.cli import main
@@ -19,7 +24,8 @@ _ROW = re.compile(r"^\W*(\d+)\W+([\d,]+)\W+([\d,]+)\W+(\d+\.\d+)\W*$")
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsdp2lite", *args], capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "fsdp2lite", *args]
+    return subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=120)
 
 
 def _bytes_rows(stdout: str) -> dict[int, tuple[int, int, float]]:
@@ -124,3 +130,42 @@ def test_corpus_and_batches_are_deterministic() -> None:
     tokens, targets = first
     assert tokens.shape == targets.shape == (4, 8)
     assert torch.equal(tokens[:, 1:], targets[:, :-1])  # targets are the next bytes
+
+
+# ---- only their own output (issue 29) ------------------------------------------------------------
+def test_import_prints_nothing() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import fsdp2lite"], env=cpu_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout + done.stderr == "", done.stdout + done.stderr
+
+
+def test_a_command_prints_only_its_own_output(tmp_path: Path) -> None:
+    """An estimate of a Hugging Face model imports transformers, which imports torchao when installed: its
+    "Failed to load ..." log lines and torch's pytree warnings must not reach the command's output
+    ([Note: quiet commands] in fsdp2lite/cli/__init__.py); the table and the JSON line are all there is."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+    from _models import tiny_llama
+
+    tiny_llama(layers=2).config.save_pretrained(tmp_path / "llama")
+    args = ["estimate", "--model", "llama", "--world-size", "2", "--seq", "16", "--method", "analytic", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp2lite", *args],
+        cwd=tmp_path,
+        env=cpu_env(COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].strip() == "llama, world size 2, rank 0", lines[:3]  # the table's title comes first
+    assert json.loads(lines[-1])["world_size"] == 2  # and the JSON line last
+
+
+def test_main_restores_logging_and_warnings(capsys: pytest.CaptureFixture[str]) -> None:
+    """The quiet settings last as long as the command: a program calling ``main`` gets its own back."""
+    before = (logging.root.manager.disable, list(warnings.filters))
+    assert main(["schema"]) == 0
+    assert (logging.root.manager.disable, list(warnings.filters)) == before
+    capsys.readouterr()
