@@ -12,6 +12,9 @@ raised still reports its traceback. See [Note: rank exit] in ``fsdp2lite/_spawn.
 Every process group has a timeout (``TIMEOUT_S``, or ``spawn(..., timeout_s=...)``): ranks that
 disagree on which collective comes next (a fault on one rank only) fail with gloo's timeout error
 instead of blocking the suite.
+
+The ranks see whatever GPUs the machine has, on purpose: they check that a gloo job is a CPU job there
+too. Subprocesses that mean CPU start with CUDA hidden instead (``tests/_cpu_env.py``).
 """
 
 from __future__ import annotations
