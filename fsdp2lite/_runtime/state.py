@@ -71,7 +71,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from ..policies import MixedPrecisionPolicy
 from .checks import (
@@ -82,6 +81,7 @@ from .checks import (
     check_root_settings,
 )
 from .comm import Comm, SharedComm
+from .containers import cast_floating, map_tensors, tensors_in
 from .group import FSDPParamGroup
 from .states import TrainingState
 from .trace import TraceRecorder
@@ -354,7 +354,7 @@ class FSDPState:
             return None  # activation-checkpoint recompute: see [Note: recompute]
         policy = self.mp_policy  # every module of the group casts its own inputs
         if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if self.pending_forward:
             return args, kwargs  # a later module of this call's group: unsharded already ([Note: group pass])
         if self.is_root is None:
@@ -411,14 +411,14 @@ class FSDPState:
         """Close the pass ``begin_forward_method`` opened: cast the output, post-forward."""
         self.pending_forward.clear()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         return self._post_forward(output)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD:
             return None  # activation-checkpoint recompute: see [Note: recompute]
         if self.mp_policy.output_dtype is not None:  # every module of the group casts its own output
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         if id(module) not in self.pending_forward:
             return output
         self.pending_forward.discard(id(module))
@@ -441,7 +441,7 @@ class FSDPState:
         grad_enabled = torch.is_grad_enabled()
         group.post_forward(grad_enabled)
         if grad_enabled:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]  # [Note: tensor containers]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
@@ -479,17 +479,8 @@ def _attach_post_backward(
     state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Route the inputs that need grad through ``_PostBackward`` (others need no node)."""
-    flat, spec = tree_flatten((args, kwargs))
-    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not indices:
+    tensors = [t for t in tensors_in((args, kwargs)) if t.requires_grad]  # [Note: tensor containers]
+    if not tensors:
         return args, kwargs  # the end-of-backward callback does this group's post-backward
-    outputs = _PostBackward.apply(state, *(flat[i] for i in indices))
-    for i, out in zip(indices, outputs):
-        flat[i] = out
-    new_args, new_kwargs = tree_unflatten(flat, spec)
-    return new_args, new_kwargs
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a pytree to ``dtype`` (others untouched)."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    routed = iter(_PostBackward.apply(state, *tensors))
+    return map_tensors(lambda t: next(routed) if t.requires_grad else t, (args, kwargs))
