@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._runtime.group import FSDPParamGroup, check_post_forward_dims, check_post_forward_size
+from ._runtime.group import FSDPParamGroup
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
+from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from _dist import spawn_checks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2lite as fl
 
@@ -206,6 +208,93 @@ def check_bad_tp_meshes(rank: int, ws: int) -> None:
     assert not isinstance(block, fl.FSDPModule)
 
 
+class SPBlock(nn.Module):
+    """Megatron's sequence-parallel block: a norm on this tp rank's sequence chunk, then fc1, fc2 over tp."""
+
+    def __init__(self, d: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def sp_and_shard(ref: nn.Module, dp: DeviceMesh, tp: DeviceMesh, library: str, **kwargs: Any) -> nn.Module:
+    """The norms' weights are replicated over tp and see one sequence chunk each: their grads come Partial."""
+    model = copy.deepcopy(ref)
+    plan = {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1))}
+    plan["fc2"] = RowwiseParallel(output_layouts=Shard(1))
+    if library == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        fully_shard = fl.fully_shard
+    for block in model:
+        parallelize_module(block, tp, plan)
+        fully_shard(block, mesh=dp, **kwargs)
+    fully_shard(model, mesh=dp, **kwargs)
+    return model
+
+
+class TpAllReduces(TorchDispatchMode):
+    """(dtype, bytes) of every tensor-parallel all-reduce (DTensor's functional collectives; FSDP's own
+    collectives are c10d ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if str(func).startswith("_c10d_functional.all_reduce"):
+            self.seen.append((args[0].dtype, args[0].nbytes))
+        return func(*args, **(kwargs or {}))
+
+
+def sp_batch(step: int, slices: int) -> torch.Tensor:
+    """The whole step's batch: per dp slice, 3 sequences of 4 positions of width 8."""
+    return torch.randn(slices, 3, 4, 8, generator=torch.Generator().manual_seed(step))
+
+
+def check_sp_grad_reduce_dtype(rank: int, ws: int) -> None:
+    """Sequence-parallel norms: the tp all-reduce of their Partial grads runs in reduce_dtype (pytorch#190626),
+    one per parameter per step even over microbatches with sync off: 2 blocks x (weight, bias) x 8 fp32 =
+    four all-reduces of 32 bytes. In fp32 the grads equal torch's fully_shard and one process's on the
+    whole batch; with bf16 params and fp32 reduce, that process's within bf16 tolerance."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    torch.manual_seed(0)
+    ref = nn.Sequential(SPBlock(), SPBlock())
+    chunk = slice(2 * tp.get_local_rank(), 2 * tp.get_local_rank() + 2)  # this tp rank's sequence positions
+    mp = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
+    ours = {
+        "fp32": sp_and_shard(ref, dp, tp, "fsdp2lite"),
+        "bf16": sp_and_shard(ref, dp, tp, "fsdp2lite", mp_policy=mp),
+    }
+    theirs = sp_and_shard(ref, dp, tp, "torch")
+    for micro in range(2):
+        xs = sp_batch(micro, dp.size())
+        (ref(xs.flatten(0, 1)).pow(2).sum() / dp.size()).backward()
+        for label, model in ours.items():
+            model.set_requires_gradient_sync(micro == 1)
+            with TpAllReduces() as recorder:
+                model(xs[dp.get_local_rank()][:, chunk]).float().pow(2).sum().backward()
+            expected = [(torch.float32, 32)] * 4 if micro == 1 else []
+            assert recorder.seen == expected, (label, micro, recorder.seen)
+        theirs(xs[dp.get_local_rank()][:, chunk]).pow(2).sum().backward()
+    ref_grads = dict((name, p.grad) for name, p in ref.named_parameters())
+    their_grads = dict((name, p.grad.full_tensor()) for name, p in theirs.named_parameters())
+    for label, model in ours.items():
+        for name, param in model.named_parameters():
+            assert param.grad.dtype == torch.float32 and param.grad.placements == param.placements, name
+            grad, expected = param.grad.full_tensor(), ref_grads[name]
+            if label == "bf16":  # bf16 compute: within 2% of the fp32 grads (by norm)
+                assert (grad - expected).norm() <= 2e-2 * expected.norm(), (name, grad, expected)
+                continue
+            torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(grad, their_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_fsdp_with_tensor_parallel(tmp_path: Path) -> None:
     spawn_checks(
         4,
@@ -215,4 +304,5 @@ def test_fsdp_with_tensor_parallel(tmp_path: Path) -> None:
         check_collectives_stay_on_dp,
         functools.partial(check_checkpoint_both_ways, path=str(tmp_path)),
         check_bad_tp_meshes,
+        check_sp_grad_reduce_dtype,
     )

@@ -41,7 +41,9 @@ from .collectives import (
     wait_all_gather,
 )
 from .comm import AllGatherResult, Comm
+from .grads import to_one_dtype
 from .param import FSDPParam
+from .post_forward import PostForwardGroup, check_post_forward_dims, check_post_forward_size
 from .quantize import block_segments, copy_out_quantized, encode_group
 from .states import ShardedState, TrainingState
 
@@ -54,37 +56,6 @@ class PendingUnshard(NamedTuple):
     numels: list[int]  # per parameter, elements (bytes, as_bytes) each rank contributes
     as_bytes: bool  # gathered as uint8: the parameters gather in several dtypes ([Note: byte all-gather])
     code_bytes: int = 0  # quantized: the code bytes of each rank's slot ([Note: quantized collectives])
-
-
-class PostForwardGroup(NamedTuple):
-    """The k-rank group a group reshards to after forward ([Note: post-forward reshard])."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-
-
-def check_post_forward_size(value: int, shard_size: int) -> None:
-    """An int reshard_after_forward must divide the shard group size; raises listing the valid ones."""
-    if value < 1 or shard_size % value:
-        divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size ({shard_size}); "
-            f"valid values: {divisors} (1 behaves like False, {shard_size} like True)"
-        )
-
-
-def check_post_forward_dims(value: int, params: tuple[FSDPParam, ...] | list[tuple[str, int]]) -> None:
-    """Resharding to k ranks after forward keeps dim-0 chunks: parameters sharded on another dim
-    (``shard_placement_fn``) cannot; raises naming them. ``params``: FSDPParams or (fqn, shard dim)."""
-    dims = [(p.fqn, p.shard_dim) if isinstance(p, FSDPParam) else p for p in params]
-    other = [f"{fqn} (Shard({dim}))" for fqn, dim in dims if dim != 0]
-    if other:
-        raise ValueError(
-            f"reshard_after_forward={value} reshards to groups of {value} ranks on dim 0, but these parameters "
-            f"are sharded on another dim: {', '.join(other)}; use True or False for this group, or shard "
-            "them on dim 0"
-        )
 
 
 class FSDPParamGroup:
@@ -425,6 +396,8 @@ class FSDPParamGroup:
                 f"{self}: gradients to reduce in several dtypes ({listing}); a group's gradients are one "
                 "reduce-scatter in one dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
             )
+        if params:
+            to_one_dtype(grads, params[0].reduce_dtype)  # fresh beside accumulated: [Note: one reduce dtype]
         return params, grads
 
     def finish_reduce_scatter(self) -> None:
@@ -468,7 +441,7 @@ class FSDPParamGroup:
         self.reshard()
         if drop_unsharded_grads:
             for param in self.params:
-                param.take_unsharded_grad()  # discarded: a partial sum from the failed backward
+                param.drop_unsharded_grad()  # a partial sum from the failed backward; no collective
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
 

@@ -42,6 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
 from .extension import AllGatherExtension, contiguous_stride, ensure_allocated, has_extension
+from .grads import GradientState
 from .states import ShardedState
 
 
@@ -107,7 +108,7 @@ class ParamPlace:
     name: str
 
 
-class FSDPParam:
+class FSDPParam(GradientState):
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
@@ -141,6 +142,7 @@ class FSDPParam:
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
+    # the gradient methods: GradientState (grads.py)
 
     def __init__(
         self,
@@ -430,64 +432,8 @@ class FSDPParam:
         split = (*grad.shape[:d], ws, rows, *grad.shape[d + 1 :])
         return grad.reshape(split).movedim(d, 0).reshape(ws, -1)
 
-    # ---- gradients ------------------------------------------------------------------------
-    def _pop_autograd_grad(self) -> torch.Tensor | None:
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
-            return None
-        grad = self.unsharded_param.grad
-        self.unsharded_param.grad = None
-        if isinstance(grad, DTensor):  # tensor parallel: reduce this rank's tp piece
-            spec = self.tp_spec
-            if spec is not None and tuple(grad.placements) != tuple(spec.placements):
-                grad = grad.redistribute(spec.mesh, spec.placements)  # e.g. Partial -> Replicate
-            grad = grad._local_tensor  # type: ignore[attr-defined]
-        return grad
-
-    def stash_unsharded_grad(self) -> None:
-        """Gradient sync is off: keep this backward's gradient for the next synchronising one.
-
-        In the param dtype autograd keeps accumulating into ``.grad``; when the reduce dtype differs
-        (bf16 params, fp32 reduce) the sum is kept in the reduce dtype instead, so accumulation does
-        not lose precision.
-        """
-        if self.reduce_dtype == self.param_dtype:
-            return
-        grad = self._pop_autograd_grad()
-        if grad is None:
-            return
-        if self.accumulated_grad is None:
-            self.accumulated_grad = grad.to(self.reduce_dtype)
-        else:
-            self.accumulated_grad.add_(grad)
-
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The whole unsharded gradient to reduce (stashed sum + this backward's), detached."""
-        grad = self._pop_autograd_grad()
-        accumulated, self.accumulated_grad = self.accumulated_grad, None
-        if accumulated is None:
-            return grad
-        if grad is not None:
-            accumulated.add_(grad)
-        return accumulated
-
+    # ---- gradients (the rest: grads.py) -----------------------------------------------------
     def zero_unsharded_grad(self) -> torch.Tensor:
         """Zeros in the unsharded gradient's shape and dtype: what an unused parameter contributes
         (``set_reduce_scatter_unused_params``)."""
         return torch.zeros(self.gather_shape, dtype=self.param_dtype, device=self.device)
-
-    def keep_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
-        """HSDP with the all-reduce off: add this reduce-scatter's replica-local sum to the kept one."""
-        if self.partial_reduced_grad is None:
-            self.partial_reduced_grad = padded_grad.clone()  # the flat output buffer is freed after this
-        else:
-            self.partial_reduced_grad.add_(padded_grad)
-
-    def add_partial_reduced_grad(self, padded_grad: torch.Tensor) -> torch.Tensor | None:
-        """Before the all-reduce: fold the kept replica-local sums into this reduce-scatter's slot.
-
-        Returns the folded tensor (or None) so the caller can keep it alive while a stream reads it.
-        """
-        partial, self.partial_reduced_grad = self.partial_reduced_grad, None
-        if partial is not None:
-            padded_grad.add_(partial)
-        return partial
