@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
-# Make .venv with torch==2.13.0 (CPU build) and fsdp2lite[dev] installed editable.
-# Safe to re-run: a stamp file skips the installs when nothing they depend on changed.
+# Make the virtual environments named (default: both), each with fsdp2lite[dev] installed editable:
+#   .venv         torch==2.13.0 (the CPU build): the demo, and the whole test suite;
+#   .venv-oldest  torch==2.11.0, pyproject's floor (torch>=2.11): the fast part of the suite (scripts/test.sh).
+# Usage: bash scripts/setup.sh [.venv] [.venv-oldest]
+# Safe to re-run: a stamp file in each skips its installs when nothing they depend on changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-stamp=.venv/.fsdp2lite-setup
-want="torch==2.13.0 $(sha256sum pyproject.toml | cut -c1-16)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # torch first and pinned, so resolving the package's "torch>=2.6" never pulls a newer (CUDA) build.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  constraints=$(mktemp)
-  echo "torch==2.13.0" >"$constraints"  # no extra (transformers, accelerate, lightning) may move torch
-  .venv/bin/python -m pip install -q -c "$constraints" -e ".[dev]"
-  rm -f "$constraints"
-  echo "$want" >"$stamp"
+
+make_venv() {  # make_venv DIR TORCH_VERSION
+  local venv=$1 torch=$2 stamp want constraints
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  stamp=$venv/.fsdp2lite-setup
+  want="torch==$torch $(sha256sum pyproject.toml | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    # torch first and pinned, so resolving the package's "torch>=2.11" never pulls a newer build.
+    "$venv/bin/python" -m pip install -q "torch==$torch"
+    constraints=$(mktemp)
+    echo "torch==$torch" >"$constraints"  # no extra (transformers, accelerate, lightning) may move torch
+    "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
+    rm -f "$constraints"
+    echo "$want" >"$stamp"
+  fi
+}
+
+oldest=2.11.0
+floor=$(grep -o '"torch>=[0-9.]*"' pyproject.toml | tr -d '"' | cut -d= -f2)
+if [ "$oldest" != "$floor" ] && [ "$oldest" != "$floor.0" ]; then
+  echo "scripts/setup.sh: .venv-oldest pins torch $oldest but pyproject's floor is torch>=$floor; make them agree" >&2
+  exit 2
 fi
+
+venvs=("$@")
+[ "$#" -gt 0 ] || venvs=(.venv .venv-oldest)
+for venv in "${venvs[@]}"; do
+  case $venv in
+    .venv) make_venv .venv 2.13.0 ;;
+    .venv-oldest) make_venv .venv-oldest "$oldest" ;;
+    *) echo "scripts/setup.sh: unknown environment '$venv'; expected .venv or .venv-oldest" >&2; exit 2 ;;
+  esac
+done
