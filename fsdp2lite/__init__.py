@@ -8,6 +8,7 @@ fl.fully_shard(model)
 
 from __future__ import annotations
 
+from ._runtime.extension import AllGatherInput
 from .api import fully_shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
@@ -22,6 +23,7 @@ from .trace import count_wire_bytes, record_trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGatherInput",
     "CPUOffloadPolicy",
     "CheckpointError",
     "CommPolicy",

@@ -9,25 +9,74 @@ The subclass defines two methods, as with torch's ``fully_shard``:
 
 Per unshard, ``pre`` is called on this rank's padded shard (torch calls it on the unpadded shard and
 requires padded inputs back when the shard is uneven, which a hook with per-row scales cannot give);
-its ``inputs`` (plain tensors) join the group's one collective as bytes
-([Note: byte all-gather] in collectives.py), so a group of NF4 weights and bf16 norms is still one
-all-gather, and 1-byte dtypes (int8, float8) cross gloo as uint8. The gathered bytes land in this
-parameter's own output buffers, one per input, ``(shard_size * numel,)`` in the input's dtype, made once
-and kept across steps (their storage freed at reshard, given back at unshard). ``post`` then sees each
-output viewed ``(shard_size * rows, *rest)``: the first time it builds the unsharded tensor (torchao's
-NF4 builds it on those very buffers), later it refills it in place (``out=``), so the Parameter object
-autograd and the modules hold stays the same. Which form ``pre`` takes (1 or 5 arguments) is resolved
-once, when the parameter is sharded. Dim-0 sharding only, no tensor parallelism or CPU offload (each
-refused at ``fully_shard``, naming the parameter).
+its ``inputs`` (plain tensors, or records of them: [Note: all-gather input records]) join the group's one
+collective as bytes ([Note: byte all-gather] in collectives.py), so a group of NF4 weights and bf16 norms
+is still one all-gather, and 1-byte dtypes (int8, float8) cross gloo as uint8. The gathered bytes land in
+this parameter's own output buffers, one per input, ``(shard_size * numel,)`` in the input's dtype, made
+once and kept across steps (their storage freed at reshard, given back at unshard). ``post`` then sees
+each output in its gathered shape (``(shard_size * rows, *rest)`` for a plain tensor): the first time it
+builds the unsharded tensor (torchao's NF4 builds it on those very buffers), later it refills it in place
+(``out=``), so the Parameter object autograd and the modules hold stays the same. Dim-0 sharding only,
+no tensor parallelism, CPU offload or quantized all-gather (each refused, naming the parameter).
+
+[Note: hooks looked up per all-gather]
+As torch does, the hooks are looked up on the sharded parameter's local tensor (``param._local_tensor``)
+at every all-gather from the sharded state: hooks defined by its class, or set on the tensor object after
+``fully_shard`` (``local.fsdp_pre_all_gather = fn.__get__(local)``, torch's monkey-patching form) take
+effect at the next all-gather, and removing them returns the parameter to the plain path. The look-up is
+two attribute reads per parameter; only when the hooks' functions change is the signature read again
+(1 or 5 arguments), the parameter's unsharded tensor made anew and the group's all-gather layout
+re-derived. A hook bound to the local tensor is called as a method of the padded shard (the local
+tensor is a view of its first rows), and hooks set on a local tensor that ``to_empty`` or
+``load_state_dict(assign=True)`` replaced follow it to the new one.
+
+[Note: all-gather input records]
+An input may be ``AllGatherInput(tensor, dim=0, output_size=None)`` (torch's record after 2.13, here as
+``fsdp2lite.AllGatherInput``; any object with a ``tensor`` attribute and optional ``dim`` and
+``output_size`` reads the same): each rank's ``tensor`` is concatenated along ``dim`` in its own shape (a
+scalar as shape (1,)), and ``post`` sees the result viewed as ``output_size`` (default: the concatenated
+shape). The collective is rank-major, so an input gathered along dim d with leading dims of product
+``outer`` > 1 is copied out to a staging buffer and reassembled into its output buffer, one strided copy:
+
+    tensor (2, 3) per rank, dim=1, 2 ranks: rank0 [[a b c], [d e f]], rank1 [[g h i], [j k l]]
+    all-gather -> [a b c d e f | g h i j k l]  viewed (ranks 2, outer 2, inner 3)
+    transpose(0, 1) -> output [[a b c g h i], [d e f j k l]]  = torch.cat(tensors, dim=1)
+
+A plain tensor is gathered along dim 0 (``(shard_size * rows, *rest)``, no reassembly). Each rank's
+inputs must have the same shapes and dtypes; unlike plain tensors, records carry no padding rule.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import math
+import types
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+
+HOOK_NAMES = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+@dataclass(frozen=True)
+class AllGatherInput:
+    """One input of ``fsdp_pre_all_gather``: ``tensor`` concatenated across ranks along ``dim``, handed
+    to ``fsdp_post_all_gather`` viewed as ``output_size`` (default: the concatenated shape). torch's
+    record of the same name (newer than torch 2.13); any object with these attributes is read alike:
+    [Note: all-gather input records] in ``fsdp2lite/_runtime/extension.py``."""
+
+    tensor: torch.Tensor
+    dim: int = 0
+    output_size: tuple[int, ...] | None = None
+
+
+class PayloadLayout(NamedTuple):
+    """How one all-gather input comes back ([Note: all-gather input records])."""
+
+    outer: int  # product of the input's dims before its gather dim: > 1 means reassembly after the copy-out
+    output_size: torch.Size  # what fsdp_post_all_gather sees
 
 
 def has_extension(local: torch.Tensor) -> bool:
@@ -35,18 +84,48 @@ def has_extension(local: torch.Tensor) -> bool:
     return hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather")
 
 
+def find_hooks(local: torch.Tensor) -> tuple[Any, Any]:
+    """``local``'s (pre, post) hooks, from its class or set on the object; None where absent."""
+    return getattr(local, "fsdp_pre_all_gather", None), getattr(local, "fsdp_post_all_gather", None)
+
+
+def hook_key(hook: Any) -> Any:
+    """What identifies a hook across look-ups: a method's function (each read makes a new bound method)."""
+    return getattr(hook, "__func__", hook)
+
+
+def bound_to(hook: Any, tensor: torch.Tensor) -> Any:
+    """``hook`` called as a method of ``tensor`` when it is a method of a tensor (the local tensor's class
+    or instance hook, called on the padded shard: [Note: hooks looked up per all-gather]); else as is."""
+    if inspect.ismethod(hook) and isinstance(hook.__self__, torch.Tensor) and hook.__self__ is not tensor:
+        return types.MethodType(hook.__func__, tensor)
+    return hook
+
+
+def carry_instance_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Hooks set on the object ``old`` (not its class) follow it to ``new``, which replaces it."""
+    attributes = getattr(old, "__dict__", {})
+    for name in HOOK_NAMES:
+        if name in attributes:
+            setattr(new, name, attributes[name])
+
+
 class AllGatherExtension:
     """The hooks of one parameter's local tensor and the buffers its all-gather outputs live in."""
 
     fqn: str
+    pre_key: Any  # hook_key of the pre hook this record was made for: another one means the hooks changed
+    post_key: Any
     takes_mesh_only: bool  # the 1-argument form (torchao's NF4) rather than torch 2.6+'s 5-argument one
     metadata: Any  # what the last pre_all_gather returned beside its inputs, for post_all_gather
-    input_sizes: list[torch.Size]  # per input, as pre_all_gather returned it
-    outputs: list[torch.Tensor]  # per input, (shard_size * numel,) in its dtype; kept across steps
+    layouts: list[PayloadLayout]  # per input, as pre_all_gather returned it
+    group_size: int  # ranks of the last all-gather's inputs
+    outputs: list[torch.Tensor]  # per input, (shard_size * numel,) in its dtype and gathered layout; kept
+    staging: list[torch.Tensor | None]  # per input with outer > 1: its rank-major copy-out, until reassembled
     inner_tensors: tuple[torch.Tensor, ...]  # what post_all_gather said to free at reshard
 
     def __init__(self, local: torch.Tensor, fqn: str) -> None:
-        pre, post = getattr(local, "fsdp_pre_all_gather", None), getattr(local, "fsdp_post_all_gather", None)
+        pre, post = find_hooks(local)
         if pre is None or post is None:
             missing = "fsdp_post_all_gather" if pre is not None else "fsdp_pre_all_gather"
             raise ValueError(
@@ -60,24 +139,33 @@ class AllGatherExtension:
                 f"{len(names)} arguments; expected (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)"
             )
         self.fqn = fqn
+        self.pre_key, self.post_key = hook_key(pre), hook_key(post)
         self.takes_mesh_only = len(names) == 1
         self.metadata = None
-        self.input_sizes = []
+        self.layouts = []
+        self.group_size = 1
         self.outputs = []
+        self.staging = []
         self.inner_tensors = ()
 
-    def check_supported(self, shard_dim: int, tensor_parallel: bool, offload: bool) -> None:
-        """Such a parameter is sharded on dim 0, on the device, without tensor parallelism."""
+    def same_hooks(self, pre: Any, post: Any) -> bool:
+        """Whether ``pre`` and ``post`` (just looked up) are the hooks this record was made for."""
+        return hook_key(pre) is self.pre_key and hook_key(post) is self.post_key
+
+    def check_supported(self, shard_dim: int, tensor_parallel: bool, offload: bool, quantized: bool = False) -> None:
+        """Such a parameter is sharded on dim 0, on the device, without tensor parallelism, gathered exactly."""
         problem = (
             f"shard_placement_fn chose Shard({shard_dim})" if shard_dim != 0
             else "it is also tensor parallel" if tensor_parallel
             else "CPU offload is on" if offload
+            else "its group's CommPolicy quantizes the all-gather" if quantized
             else None
         )  # fmt: skip
         if problem is not None:
             raise ValueError(
                 f"parameter '{self.fqn}' defines torch's all-gather extension (fsdp_pre_all_gather), but {problem}: "
-                "such parameters are sharded on dim 0, without tensor parallelism or CPU offload"
+                "such parameters are sharded on dim 0, without tensor parallelism, CPU offload or a quantized "
+                "all-gather"
             )
 
     def shard(self, data: torch.Tensor, mesh_info: Any, padded_shape: tuple[int, ...], rows: int) -> torch.Tensor:
@@ -95,21 +183,32 @@ class AllGatherExtension:
         return padded
 
     def inputs(
-        self, padded_shard: torch.Tensor, mesh: Any, shape: torch.Size, module: nn.Module, mp_policy: Any
+        self,
+        padded_shard: torch.Tensor,
+        local: torch.Tensor,
+        mesh: Any,
+        shape: torch.Size,
+        module: nn.Module,
+        mp_policy: Any,
     ) -> list[torch.Tensor]:
-        """This rank's all-gather inputs, flat (one view each), from the subclass's pre-all-gather hook,
-        called on the padded shard: every rank's inputs then have the same shapes, and under torch.chunk's
-        layout the gathered rows are the parameter's followed by the padding, which the rebuild cuts off."""
+        """This rank's all-gather inputs, flat (one view each), from the pre-all-gather hook looked up on
+        the local tensor and called on the padded shard: every rank's inputs then have the same shapes, and
+        under torch.chunk's layout the gathered rows are the parameter's followed by the padding, which the
+        rebuild cuts off."""
+        pre = bound_to(local.fsdp_pre_all_gather, padded_shard)  # type: ignore[attr-defined]
         if self.takes_mesh_only:
-            result = padded_shard.fsdp_pre_all_gather(mesh)  # type: ignore[attr-defined]
+            result = pre(mesh)
         else:
-            stride = contiguous_stride(shape)
-            result = padded_shard.fsdp_pre_all_gather(mesh, shape, stride, module, mp_policy)  # type: ignore[attr-defined]
-        inputs, self.metadata = _check_pre_result(result, self.fqn)
-        self.input_sizes = [t.shape for t in inputs]
-        flat = [t.contiguous().view(-1) for t in inputs]
-        self._prepare_outputs(mesh.size(), flat)
-        return flat
+            result = pre(mesh, shape, contiguous_stride(shape), module, mp_policy)
+        payloads, self.metadata = _check_pre_result(result, self.fqn)
+        self.group_size = mesh.size()
+        tensors, self.layouts = [], []
+        for index, payload in enumerate(payloads):
+            tensor, layout = payload_layout(payload, index, self.group_size, self.fqn)
+            tensors.append(tensor.contiguous().view(-1))
+            self.layouts.append(layout)
+        self._prepare_outputs(self.group_size, tensors)
+        return tensors
 
     def _prepare_outputs(self, group_size: int, inputs: list[torch.Tensor]) -> None:
         """One output buffer per input, made the first time (or when the hook's inputs change), given its
@@ -122,15 +221,34 @@ class AllGatherExtension:
             ensure_allocated(output)
 
     def output_views(self, group_size: int) -> list[torch.Tensor]:
-        """Each output buffer as ``(group_size, bytes per rank)`` uint8: the copy-out's targets."""
-        return [output.view(torch.uint8).view(group_size, -1) for output in self.outputs]
+        """Each input's copy-out target as ``(group_size, bytes per rank)`` uint8: its output buffer, or for
+        an input gathered along an inner dim a staging buffer ([Note: all-gather input records])."""
+        self.staging = [None] * len(self.outputs)
+        views = []
+        for index, (output, layout) in enumerate(zip(self.outputs, self.layouts)):
+            target = output
+            if layout.outer > 1 and group_size > 1:
+                target = self.staging[index] = torch.empty_like(output)
+            # .data: a version counter of its own, so a post hook's tensor viewing the output (autograd may
+            # have saved it) does not see the refill as an in-place change
+            views.append(target.data.view(torch.uint8).view(group_size, target.nbytes // group_size))
+        return views
+
+    def _reassemble(self) -> None:
+        """Staged rank-major outputs into their outputs' gathered layout: one transposing copy each."""
+        for output, staged, layout in zip(self.outputs, self.staging, self.layouts):
+            if staged is not None:
+                ranks = staged.view(self.group_size, layout.outer, -1)  # (ranks, outer, inner)
+                output.data.view(layout.outer, self.group_size, -1).copy_(ranks.transpose(0, 1))
+        self.staging = [None] * len(self.outputs)
 
     def unsharded(
         self, local: torch.Tensor, param_dtype: torch.dtype, orig_shape: torch.Size, current: nn.Parameter | None
     ) -> torch.Tensor | None:
         """Run post_all_gather on the gathered outputs: the first time, the new unsharded tensor (its
         padding rows cut off); after that, ``current`` refilled in place and None."""
-        gathered = tuple(o.view(-1, *size[1:]) for o, size in zip(self.outputs, self.input_sizes))
+        self._reassemble()
+        gathered = tuple(o.view(layout.output_size) for o, layout in zip(self.outputs, self.layouts))
         post = local.fsdp_post_all_gather  # type: ignore[attr-defined]
         if current is not None:
             for tensor in self.inner_tensors:
@@ -163,17 +281,48 @@ class AllGatherExtension:
             tensor.untyped_storage().resize_(0)
 
 
-def _check_pre_result(result: Any, fqn: str) -> tuple[list[torch.Tensor], Any]:
-    if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], tuple | list):
+def _check_pre_result(result: Any, fqn: str) -> tuple[list[Any], Any]:
+    paired = isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple | list)
+    if not paired or not result[0]:
+        got = "no inputs" if paired else type(result).__name__
         raise ValueError(
-            f"parameter '{fqn}': fsdp_pre_all_gather must return (tuple of tensors, metadata), "
-            f"got {type(result).__name__}"
+            f"parameter '{fqn}': fsdp_pre_all_gather must return (inputs, metadata), inputs a non-empty tuple of "
+            f"plain tensors or AllGatherInput records, got {got}"
         )
-    inputs = list(result[0])
-    if not inputs or not all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in inputs):
-        kinds = [type(t).__name__ for t in inputs]
-        raise ValueError(f"parameter '{fqn}': fsdp_pre_all_gather's inputs must be plain tensors, got {kinds}")
-    return inputs, result[1]
+    return list(result[0]), result[1]
+
+
+def payload_layout(payload: Any, index: int, group_size: int, fqn: str) -> tuple[torch.Tensor, PayloadLayout]:
+    """One pre-all-gather input's tensor and how it comes back: a plain tensor along dim 0, a record
+    (``tensor``, ``dim``, ``output_size``) as it says ([Note: all-gather input records])."""
+    record = not isinstance(payload, torch.Tensor)
+    tensor = getattr(payload, "tensor", None) if record else payload
+    what = f"parameter '{fqn}': fsdp_pre_all_gather's input {index}"
+    if type(tensor) is not torch.Tensor:
+        got = type(payload).__name__ if not record else f"{type(payload).__name__} with tensor {type(tensor).__name__}"
+        raise ValueError(
+            f"{what} must be a plain tensor or an AllGatherInput(tensor, dim, output_size) of one, got {got}"
+        )
+    size = tensor.shape or torch.Size((1,))  # a scalar gathers as shape (1,)
+    dim = getattr(payload, "dim", 0) if record else 0
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -len(size) <= dim < len(size):
+        raise ValueError(
+            f"{what} has dim {dim!r} for a tensor of shape {tuple(size)}; valid: -{len(size)} to {len(size) - 1}"
+        )
+    dim %= len(size)
+    gathered = torch.Size((*size[:dim], group_size * size[dim], *size[dim + 1 :]))
+    requested = getattr(payload, "output_size", None) if record else None
+    if requested is not None and not (
+        isinstance(requested, tuple | list) and all(isinstance(s, int) and s >= 0 for s in requested)
+    ):
+        raise ValueError(f"{what} has output_size {requested!r}; expected None or a tuple of sizes >= 0")
+    output_size = gathered if requested is None else torch.Size(requested)
+    if output_size.numel() != gathered.numel():
+        raise ValueError(
+            f"{what} has output_size {tuple(output_size)} ({output_size.numel()} elements), but {group_size} ranks' "
+            f"{tuple(size)} gathered along dim {dim} are {tuple(gathered)} ({gathered.numel()} elements)"
+        )
+    return tensor, PayloadLayout(math.prod(size[:dim]) if tensor.numel() else 1, output_size)
 
 
 def ensure_allocated(tensor: torch.Tensor) -> None:

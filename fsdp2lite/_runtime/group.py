@@ -214,6 +214,8 @@ class FSDPParamGroup:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
+        if self.sharded_state is ShardedState.SHARDED:
+            self.sync_extensions()
         dtype = self.gather_dtype
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self.post_forward_buffer is not None:
             sub = self.post_forward_group
@@ -257,6 +259,14 @@ class FSDPParamGroup:
             )  # fmt: skip
             self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=as_bytes)
         self.trace("all_gather_issue")
+
+    def sync_extensions(self) -> None:
+        """Hooks set or removed on a local tensor since the last all-gather change how the group gathers
+        ([Note: hooks looked up per all-gather])."""
+        quantized = self.comm_policy.all_gather is not None
+        if any([param.sync_extension(quantized) for param in self.params]):  # a list: every parameter looks
+            self._extension_params = tuple(p for p in self.params if p.extension is not None)
+            self.gather_dtype = _one_dtype(self.params)
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""

@@ -41,7 +41,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
-from .extension import AllGatherExtension, contiguous_stride, ensure_allocated, has_extension
+from .extension import (
+    AllGatherExtension,
+    carry_instance_hooks,
+    contiguous_stride,
+    ensure_allocated,
+    find_hooks,
+    has_extension,
+)
 from .grads import GradientState
 from .states import ShardedState
 
@@ -301,6 +308,7 @@ class FSDPParam(GradientState):
         else:
             self._adopt_padded_shard(self._new_padded_shard(local.detach()))
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
+        carry_instance_hooks(local, self.local_view)  # [Note: hooks looked up per all-gather]
         if local.dtype != self.orig_dtype:
             self._retype(local.dtype)
         if self.unsharded_param is not None and (
@@ -383,10 +391,28 @@ class FSDPParam(GradientState):
         """This rank's all-gather inputs from the subclass's pre-all-gather hook (flat, plain tensors)."""
         if self.extension is None:
             raise RuntimeError(f"{self.fqn}: extension_inputs() on a parameter without all-gather hooks")
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]  # where the hooks are looked up
         module = self.places[0].module
         return self.extension.inputs(
-            self.padded_shard, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy
+            self.padded_shard, local, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy
         )
+
+    def sync_extension(self, quantized: bool) -> bool:
+        """Look the all-gather hooks up on the local tensor, as torch does at every all-gather, so hooks set
+        or removed after ``fully_shard`` take effect; True when they changed, and then the parameter gathers
+        the new way, its unsharded tensor made anew ([Note: hooks looked up per all-gather])."""
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        pre, post = find_hooks(local)
+        current = self.extension
+        if current.same_hooks(pre, post) if current is not None else pre is None and post is None:
+            return False
+        extension = AllGatherExtension(local, self.fqn) if pre is not None or post is not None else None
+        if extension is not None:  # raises before anything changes
+            extension.check_supported(self.shard_dim, self.tp_spec is not None, self.offload_to_cpu, quantized)
+        self.extension = extension
+        self.flat_shard = self.padded_shard if extension is not None else self.padded_shard.view(-1)
+        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+        return True
 
     def finish_extension(self) -> None:
         """After the copy-out into the extension's output buffers: build or refill the unsharded tensor."""
