@@ -289,3 +289,26 @@ def test_group_dtypes_must_agree() -> None:
     with pytest.raises(ValueError, match=r"2 dtypes \(float32: 0.weight, 0.bias; float16: 1.weight, 1.bias\)"):
         fl.fully_shard(model)
     fl.fully_shard(model, mp_policy=fl.MixedPrecisionPolicy(param_dtype="fp32"))  # one dtype: fine
+
+
+@dataclasses.dataclass
+class Derived:
+    x: torch.Tensor
+    doubled: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.doubled = self.x * 2
+
+
+@pytest.mark.usefixtures("single_rank_pg")
+def test_dataclass_inputs_with_init_false_fields_are_cast() -> None:
+    """torch's fully_shard raises for these (``dataclasses.replace`` of an ``init=False`` field): the init
+    fields are cast into a new instance and ``__post_init__`` derives the others from them."""
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    layer = nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda m, args: seen.append((args[0].x.dtype, args[0].doubled.dtype)))
+    fl.fully_shard(layer, mp_policy=fl.MixedPrecisionPolicy(param_dtype="bf16"))
+    original = Derived(torch.randn(2, 4))
+    layer.forward = lambda inputs: nn.Linear.forward(layer, inputs.x + inputs.doubled)  # type: ignore[method-assign]
+    assert layer(original).dtype == torch.bfloat16
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and original.doubled.dtype == torch.float32
