@@ -142,9 +142,9 @@ def gpt2_with_tokenizer(directory: Path) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run A alone. The killed-rank tests need nothing else: under pytest-xdist a worker that runs only
-    them launches one job here, not the eight of ``runs``. Each launch starts torch and transformers in
+    them launches one job here, not the seven of ``runs``. Each launch starts torch and transformers in
     every process, most of a run's time: about 25 s a launch on a 16-core GPU machine (torch 2.11, CUDA
-    hidden), where the eight launches of ``runs`` plus a killed-rank job passed pytest-timeout's 200 s."""
+    hidden), where the seven of ``runs`` plus a killed-rank job passed pytest-timeout's 200 s."""
     tmp = tmp_path_factory.mktemp("train")
     (tmp / "fp32.yaml").write_text(LAYERS_FP32)
     base = [*COMMON, "--config", "fp32.yaml"]
