@@ -149,6 +149,19 @@ def padded_unsharded_bytes(params: list[nn.Parameter], ws: int, element_size: in
     return sum(math.ceil(p.shape[0] / ws) * ws * (p.numel() // p.shape[0]) * element_size for p in params)
 
 
+def sharded_net_cuda_schedule(policy: fl.MixedPrecisionPolicy | None) -> Net:
+    """A Net sharded one group per block plus the root, with CUDA's schedule: no forward prefetch, the
+    backward prefetch at the pre-backward hook, reduce-scatters overlapped."""
+    net = Net()
+    for block in net.blocks:
+        fl.fully_shard(block, mp_policy=policy)
+    fl.fully_shard(net, mp_policy=policy)
+    net.set_forward_prefetch_depth(0)
+    net.set_late_backward_prefetch(False)
+    net.set_overlap_reduce_scatter(True)
+    return net
+
+
 def check_cuda_schedule_mixed_precision(x: torch.Tensor, ws: int) -> None:
     """CUDA's defaults (forward prefetch depth 0, backward prefetch at pre-backward, pipelined
     reduce-scatters), run on CPU, with bf16 parameters and fp32 reduction, where a reduce-scatter input
@@ -169,13 +182,7 @@ def check_cuda_schedule_mixed_precision(x: torch.Tensor, ws: int) -> None:
     b_reduce = 2 * b_param  # fp32
     bf16 = Net().to(torch.bfloat16)
     a = forward_peak(bf16, x.to(torch.bfloat16)) - nbytes(list(bf16.parameters()))
-    ours = Net()
-    for block in ours.blocks:
-        fl.fully_shard(block, mp_policy=policy)
-    fl.fully_shard(ours, mp_policy=policy)
-    ours.set_forward_prefetch_depth(0)
-    ours.set_late_backward_prefetch(False)
-    ours.set_overlap_reduce_scatter(True)
+    ours = sharded_net_cuda_schedule(policy)
     inputs: list[weakref.ref[torch.Tensor]] = []
     original = group_module.issue_reduce_scatter
 
@@ -243,13 +250,7 @@ def test_one_rank_cuda_schedule_backward_not_above_torch(single_rank_pg: None, m
     x = torch.randn(2, D)
     policy = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32") if mixed_precision else None
     torch.manual_seed(0)
-    ours = Net()
-    for block in ours.blocks:
-        fl.fully_shard(block, mp_policy=policy)
-    fl.fully_shard(ours, mp_policy=policy)
-    ours.set_forward_prefetch_depth(0)
-    ours.set_late_backward_prefetch(False)
-    ours.set_overlap_reduce_scatter(True)
+    ours = sharded_net_cuda_schedule(policy)
     peak = backward_peak(ours, x)
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
