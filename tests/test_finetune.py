@@ -1,0 +1,261 @@
+"""Fine-tuning (issue 30): peft's LoRA and QLoRA's torchao NF4 base on fsdp2lite, 2 gloo ranks, a tiny
+Llama whose projections hold whole NF4 scale blocks per rank (64 * 256 values). Losses equal torch's
+fully_shard with the same peft/NF4 setup bit for bit; the NF4 bytes after fsdp2lite's all-gather equal
+the unsharded quantization; per-rank quantization equals the whole tensor's, chunked; the saved adapter
+reproduces rank 0's evaluation loss in peft on one process; a resumed run has the uninterrupted losses;
+bad input is refused by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from _dist import cpu_mesh, spawn_checks
+
+import fsdp2lite as fl
+from fsdp2lite import finetune
+from fsdp2lite.config import checkpoint_forward
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 5
+SETTINGS = finetune.LoraSettings(rank=4, alpha=8.0)
+
+
+def _have(*names: str) -> bool:
+    try:
+        finetune.require_libraries("qlora" if "torchao" in names else "lora")
+    except finetune.MissingExtraError:
+        return False
+    return True
+
+
+needs_peft = pytest.mark.skipif(not _have("peft"), reason='peft is not installed: pip install "fsdp2lite[finetune]"')
+needs_torchao = pytest.mark.skipif(
+    not _have("peft", "torchao"), reason='peft or torchao is not installed: pip install "fsdp2lite[finetune]"'
+)
+
+
+def llama(seed: int = 0) -> nn.Module:
+    """A 2-layer Llama in bf16: q/o 256x256, k/v 128x256, MLP 512x256 (each half a whole scale block)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+
+
+def finetune_model(mode: str, seed: int = 0) -> nn.Module:
+    model = finetune.apply_lora(llama(seed), SETTINGS)
+    if mode == "qlora":
+        finetune.quantize_base(model, shard_size=dist.get_world_size())
+    return model
+
+
+def shard_fsdp2lite(model: nn.Module) -> None:
+    config = finetune.finetune_config(fl.FSDPConfig.from_yaml(REPO / "configs" / "hf_causal_lm.yaml"))
+    fl.apply_config(model, config, cpu_mesh())
+
+
+def shard_torch(model: nn.Module) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.base_model.model.model.layers:
+        checkpoint_forward(layer)
+        torch_fully_shard(layer, mesh=cpu_mesh(), mp_policy=mp)
+    torch_fully_shard(model, mesh=cpu_mesh(), mp_policy=mp, reshard_after_forward=False)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def loss_of(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=window[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = loss_of(model, batch(step, rank))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(finetune.trainable_parameters(model), lr=1e-2)
+
+
+def run(mode: str, shard: Any, rank: int) -> tuple[nn.Module, list[float]]:
+    model = finetune_model(mode)
+    shard(model)
+    return model, train(model, adamw(model), range(STEPS), rank)
+
+
+def check_lora_and_qlora_against_torch(rank: int, world_size: int, adapter_dir: str) -> None:
+    """bit for bit against torch's fully_shard; the adapters are fp32 masters, the base frozen."""
+    for mode in ("lora", "qlora"):
+        mine_model, mine = run(mode, shard_fsdp2lite, rank)
+        _, theirs = run(mode, shard_torch, rank)
+        assert mine == theirs, (mode, mine, theirs)
+        assert mine[-1] < mine[0], (mode, mine)  # the adapters learn
+        trainable = dict((n, p) for n, p in mine_model.named_parameters() if p.requires_grad)
+        assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+        if mode == "lora":
+            check_saved_adapter(mine_model, rank, Path(adapter_dir))
+
+
+def check_saved_adapter(model: nn.Module, rank: int, directory: Path) -> None:
+    """peft's files from rank 0, loaded into the unsharded base on one process: rank 0's eval loss."""
+    model.eval()
+    with torch.no_grad():
+        sharded_loss = loss_of(model, batch(99, 0))
+    finetune.save_adapter(model, directory)
+    if rank != 0:
+        return
+    from peft import PeftModel
+
+    assert {p.name for p in directory.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    loaded = PeftModel.from_pretrained(llama(), directory).to(torch.bfloat16)  # bf16 compute, as sharded
+    loaded.eval()
+    with torch.no_grad():
+        single_loss = loss_of(loaded, batch(99, 0))
+    assert torch.equal(single_loss, sharded_loss), (single_loss, sharded_loss)
+
+
+def check_nf4_bytes(rank: int, world_size: int, adapter_dir: str) -> None:
+    """Per-rank quantization equals the whole tensor's chunk; fsdp2lite's all-gather rebuilds the whole
+    tensor's NF4 byte for byte (quantized codes, int8 scales, their factors and the scale mean)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    reference = llama()
+    model = finetune_model("qlora")
+    shard_fsdp2lite(model)
+    layer = model.base_model.model.model.layers[1]
+    layer.unshard()
+    for name in ("self_attn.k_proj", "mlp.down_proj"):
+        full = reference.get_submodule(f"model.layers.1.{name}").weight.detach()
+        whole = to_nf4(full)
+        gathered = layer.get_submodule(name).base_layer.weight
+        assert same_nf4(gathered, whole), name
+        rows = full.chunk(world_size)[rank]
+        assert same_nf4(finetune.quantize_rows(rows), whole.chunk(world_size)[rank]), name
+    layer.reshard()
+
+
+def same_nf4(a: Any, b: Any) -> bool:
+    parts = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+    as_bytes = [(raw(getattr(a, p)), raw(getattr(b, p))) for p in parts]
+    return a.shape == b.shape and all(torch.equal(x, y) for x, y in as_bytes)
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).contiguous().view(torch.uint8)
+
+
+def check_resume(rank: int, world_size: int, checkpoint_dir: str) -> None:
+    """2 steps, adapters + optimizer saved, a new model (other adapter init) loads them: steps 3-5 have the
+    uninterrupted run's losses, bit for bit; the base is not in the checkpoint."""
+    model = finetune_model("lora")
+    shard_fsdp2lite(model)
+    uninterrupted = train(model, adamw(model), range(STEPS), rank)
+    first = finetune_model("lora")
+    shard_fsdp2lite(first)
+    opt = adamw(first)
+    assert train(first, opt, range(2), rank) == uninterrupted[:2]
+    path = Path(checkpoint_dir) / "step-2"
+    finetune.save_trainable(path, first, opt)
+    torch.manual_seed(7)  # other adapter values before the load
+    resumed = finetune.apply_lora(llama(), SETTINGS)
+    shard_fsdp2lite(resumed)
+    opt = adamw(resumed)
+    finetune.load_trainable(path, resumed, opt)
+    assert train(resumed, opt, range(2, STEPS), rank) == uninterrupted[2:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert not [k for k in saved if k.startswith("trainable.") and "lora_" not in k]
+
+
+@needs_torchao
+def test_finetune_world2(tmp_path: Path) -> None:
+    from functools import partial
+
+    spawn_checks(
+        2,
+        partial(check_lora_and_qlora_against_torch, adapter_dir=str(tmp_path / "adapter")),
+        partial(check_nf4_bytes, adapter_dir=""),
+        partial(check_resume, checkpoint_dir=str(tmp_path / "ckpt")),
+    )
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("missing", ["peft", "torchao"])
+def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # import raises ImportError
+    with pytest.raises(finetune.MissingExtraError, match=rf'needs {missing}.*pip install "fsdp2lite\[finetune\]"'):
+        finetune.require_libraries("qlora")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rank", 0, r"lora rank 0: expected an integer from 1 to 4096"),
+        ("rank", 2.5, r"lora rank 2.5: expected an integer"),
+        ("alpha", 0.0, r"lora alpha 0.0: expected a number greater than 0"),
+        ("dropout", 1.0, r"lora dropout 1.0: expected a number in \[0, 1\)"),
+        ("targets", (), r"lora targets \(\): expected one or more module names"),
+    ],
+)
+def test_settings_out_of_range_are_refused_by_name(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        finetune.LoraSettings(**{field: value})
+
+
+@needs_peft
+def test_targets_that_match_nothing_list_the_layers_and_change_nothing() -> None:
+    from _models import tiny_llama
+
+    model = tiny_llama()
+    before = [name for name, _ in model.named_modules()]
+    with pytest.raises(
+        ValueError,
+        match=r"lora targets qproj, w1 match no Linear layer of LlamaForCausalLM; "
+        r"its Linear layers are named: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj",
+    ):
+        finetune.apply_lora(model, finetune.LoraSettings(targets=("qproj", "q_proj", "w1")))
+    assert [name for name, _ in model.named_modules()] == before
+
+
+@needs_torchao
+def test_qlora_refuses_weights_without_whole_scale_blocks_before_changing_any() -> None:
+    from _models import tiny_llama
+
+    model = finetune.apply_lora(tiny_llama(), finetune.LoraSettings(rank=2))
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(
+        ValueError,
+        match=r"q_proj.base_layer \(32, 32\): each of 2 row shards must hold a multiple of "
+        r"64 \* 256 = 16384 values",
+    ):
+        finetune.quantize_base(model, shard_size=2)
+    assert all(p is before[n] for n, p in model.named_parameters())
