@@ -19,6 +19,7 @@ from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .trace import count_wire_bytes, record_trace
+from .weights import WeightsReport, load_sharded_weights
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "OffloadPolicy",
     "PatchReport",
     "UnshardHandle",
+    "WeightsReport",
     "__version__",
     "apply_config",
     "count_wire_bytes",
@@ -43,6 +45,7 @@ __all__ = [
     "init_mesh",
     "init_process_group",
     "load_checkpoint",
+    "load_sharded_weights",
     "patch",
     "plan_config",
     "record_trace",
