@@ -1,0 +1,107 @@
+"""A user's HF Trainer script, unaware of fsdp2lite: the command line decides FSDP (issue 30 item 5).
+
+    torchrun --standalone --nproc-per-node 2 tests/integrations/trainer_script.py \
+        --out OUT --fsdp full_shard --fsdp_config cfg.json --output_dir OUT/trainer ...
+    torchrun --standalone --nproc-per-node 2 -m fsdp2lite.run tests/integrations/trainer_script.py ...
+
+The arguments are the Trainer's own (``HfArgumentParser``), plus ``--out`` (where each rank writes
+rank{r}.json: the losses, what the model became, how the script was run) and ``--lora`` (peft's LoRA
+adapters on the attention and MLP projections, the base frozen). The script never imports fsdp2lite:
+run plainly it shards with torch's ``fully_shard``; under ``python -m fsdp2lite.run`` with fsdp2lite's.
+
+The one test-only line: Accelerate runs FSDP on accelerators only (on CPU it falls back to DDP), so a
+Trainer whose arguments ask for FSDP is put into FSDP mode by hand after its Accelerator is built, as
+tests/integrations/tool_runs.py does for Accelerate itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Trainer, TrainingArguments
+
+
+@dataclass
+class ScriptArguments:
+    out: str = field(metadata={"help": "where each rank writes rank{r}.json"})
+    lora: bool = field(default=False, metadata={"help": "train peft LoRA adapters on a frozen base"})
+
+
+class CpuFsdpTrainer(Trainer):
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:  # CPU: force FSDP mode
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+
+def tiny_llama() -> Any:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def with_lora(model: Any) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+
+
+def dataset(n: int = 32, seq: int = 12, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, vocab, (seq,), generator=g) for _ in range(n)]
+    return [{"input_ids": t, "labels": t} for t in tokens]
+
+
+def implementation(model: Any) -> dict[str, Any]:
+    """What the model became: its classes' modules (fsdp2lite's or torch's FSDPModule among them)."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_home  # torch's class, even when patched
+
+    return {
+        "mro_modules": sorted({cls.__module__ for cls in type(model).__mro__}),
+        "torch_fsdp_module": isinstance(model, torch_home.FSDPModule),
+        "groups": sum(1 for m in model.modules() if isinstance(m, torch_home.FSDPModule)),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def main() -> None:
+    script_args, training_args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()
+    model = tiny_llama()
+    if script_args.lora:
+        model = with_lora(model)
+    trainer = CpuFsdpTrainer(model=model, args=training_args, train_dataset=dataset())
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    result = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "fsdp_enabled": trainer.is_fsdp_enabled,
+        "model": implementation(wrapped),
+        "argv0": sys.argv[0],
+        "path0": sys.path[0],
+        "name": __name__,
+    }
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    Path(script_args.out).mkdir(parents=True, exist_ok=True)
+    (Path(script_args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

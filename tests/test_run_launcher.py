@@ -1,0 +1,156 @@
+"""``python -m fsdp2lite.run SCRIPT ...``: an unchanged script sharded by fsdp2lite (issue 30 item 5).
+
+The HF workflow: a Trainer script that asks for FSDP2 on its command line (``--fsdp full_shard
+--fsdp_config cfg.json`` with ``fsdp_version: 2``), tests/integrations/trainer_script.py, run on 2 gloo
+ranks under torchrun once plainly (torch's fully_shard, through Accelerate) and once as ``torchrun -m
+fsdp2lite.run trainer_script.py ...``: the losses must be equal at every step, bit for bit (fp32, as in
+tests/test_integrations.py), and the Trainer's model must be fsdp2lite's FSDPModule while Accelerate still
+takes it for torch's. Full fine-tuning and peft's LoRA (get_peft_model before the Trainer) each.
+
+The launcher's own contract (``sys.argv``, ``sys.path[0]``, ``__main__``, exit codes, the script's
+exceptions) is checked on small scripts in one process each.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cpu_env import cpu_env
+
+from fsdp2lite import run as launcher
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "integrations" / "trainer_script.py"
+TRAINER_KEEPS_SHARDED_MODELS = "5.19"  # as in tests/test_integrations.py
+TRAINER_ARGS = ["--fsdp", "full_shard", "--fsdp_config", "cfg.json", "--per_device_train_batch_size", "2",
+                "--max_steps", "4", "--learning_rate", "5e-3", "--lr_scheduler_type", "constant", "--logging_steps",
+                "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--use_cpu",
+                "--disable_tqdm", "true"]  # fmt: skip
+FSDP_CONFIG = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+
+
+def _needs_trainer() -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -e '.[dev]'")
+    from packaging.version import Version  # a dependency of transformers
+
+    if Version(transformers.__version__) < Version(TRAINER_KEEPS_SHARDED_MODELS):
+        pytest.skip(
+            f"transformers {transformers.__version__}: the Trainer needs >= {TRAINER_KEEPS_SHARDED_MODELS} on CPU"
+        )
+
+
+def _train(tmp_path: Path, name: str, launch: list[str], extra: list[str]) -> list[dict[str, Any]]:
+    out = tmp_path / name
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
+               str(SCRIPT), "--out", str(out), "--output_dir", str(out / "trainer"), *TRAINER_ARGS, *extra]  # fmt: skip
+    env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{name} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_trainer_script_under_the_launcher_equals_torch(tmp_path: Path, finetune: str) -> None:
+    _needs_trainer()
+    extra = []
+    if finetune == "lora":
+        pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
+        extra = ["--lora"]
+    (tmp_path / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
+    torch_runs = _train(tmp_path, "torch", [], extra)
+    fl_runs = _train(tmp_path, "fsdp2lite", ["-m", "fsdp2lite.run"], extra)
+    for rank, (ref, mine) in enumerate(zip(torch_runs, fl_runs, strict=True)):
+        assert mine["losses"] == ref["losses"] and len(mine["losses"]) == 4, (rank, mine["losses"], ref["losses"])
+        assert mine["fsdp_enabled"] and ref["fsdp_enabled"]
+        assert "fsdp2lite.module" in mine["model"]["mro_modules"], mine["model"]  # fsdp2lite's runtime ran
+        assert not any(m.startswith("fsdp2lite") for m in ref["model"]["mro_modules"]), ref["model"]
+        assert mine["model"]["torch_fsdp_module"], "Accelerate must still see a torch FSDPModule"
+        assert mine["model"]["groups"] == ref["model"]["groups"] > 1  # Accelerate's own plan, per decoder layer
+        assert mine["model"]["trainable"] == ref["model"]["trainable"]
+        assert (mine["argv0"], mine["path0"], mine["name"]) == (str(SCRIPT), str(SCRIPT.parent), "__main__")
+    assert fl_runs[0]["losses"] == fl_runs[1]["losses"], "ranks disagree on the logged loss"
+    if finetune == "lora":  # the base frozen: only the adapters train
+        assert 0 < fl_runs[0]["model"]["trainable"] < 10_000
+
+
+PROBE = """\
+import json, sys
+import torch.distributed.fsdp as torch_fsdp
+import helper  # found through sys.path[0], the script's directory
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
+                  "fully_shard": torch_fsdp.fully_shard.__module__}))
+if "raise" in sys.argv:
+    raise KeyError("from the script")
+if "exit" in sys.argv:
+    raise SystemExit(5)
+"""
+
+
+def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "fsdp2lite.run", *args]
+    return subprocess.run(command, cwd=cwd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "probe.py").write_text(PROBE)
+    (scripts / "helper.py").write_text("")
+    done = _launch(["scripts/probe.py", "--lr", "1", "-m", "x"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["argv"] == ["scripts/probe.py", "--lr", "1", "-m", "x"]  # the script's own options, untouched
+    assert (seen["path0"], seen["name"]) == (str(scripts.resolve()), "__main__")
+    assert seen["file"] == "scripts/probe.py"
+    assert seen["fully_shard"] == "fsdp2lite.api", "torch's name must resolve to fsdp2lite's"
+
+    plain = subprocess.run([sys.executable, "scripts/probe.py", "raise"], cwd=tmp_path, env=cpu_env(),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    raised = _launch(["scripts/probe.py", "raise"], tmp_path)
+    assert raised.returncode == plain.returncode == 1
+    last_line = "KeyError: 'from the script'"
+    assert raised.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1] == last_line
+    assert _launch(["scripts/probe.py", "exit"], tmp_path).returncode == 5
+
+
+def test_launcher_runs_a_module_with_dash_m(tmp_path: Path) -> None:
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "helper.py").write_text("")
+    done = _launch(["-m", "probe", "--steps", "3"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["argv"] == [str(tmp_path / "probe.py"), "--steps", "3"]
+    assert (seen["path0"], seen["name"], seen["fully_shard"]) == (str(tmp_path), "__main__", "fsdp2lite.api")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["missing.py", "--x"], "can't open file"),
+        ([], "no script given"),
+        (["-m"], "-m needs a module name"),
+        (["-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+        (["--nproc", "2", "train.py"], "unknown option '--nproc'"),
+    ],
+)
+def test_launcher_usage_errors_exit_2_with_one_line(
+    argv: list[str], says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert launcher.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and says in err, err
+    assert err.startswith("python -m fsdp2lite.run: error: ")
+
+
+def test_launcher_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m fsdp2lite.run")
+    assert "torchrun --nproc-per-node 4 -m fsdp2lite.run run_clm.py" in out and "-m MODULE" in out
