@@ -122,8 +122,9 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
 def test_launcher_runs_a_module_with_dash_m(tmp_path: Path) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "helper.py").write_text("")
-    done = _launch(["-m", "probe", "--steps", "3"], tmp_path)
+    done = _launch(["--verbose", "-m", "probe", "--steps", "3"], tmp_path)
     assert done.returncode == 0, done.stderr
+    assert "fsdp2lite.patch():" in done.stderr and "torch.distributed.fsdp.fully_shard" in done.stderr  # the report
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["argv"] == [str(tmp_path / "probe.py"), "--steps", "3"]
     assert (seen["path0"], seen["name"], seen["fully_shard"]) == (str(tmp_path), "__main__", "fsdp2lite.api")
