@@ -23,7 +23,8 @@ downloaded: models come from a preset or a local directory, data from a local fi
 The steps, as the code below reads:
   1. join the process group (NCCL bound to this process's GPU, or gloo on CPU)
   2. build the model on the meta device and shard it as the YAML config says (no memory yet)
-  3. fill it from rank 0 (a seeded random init, or a local checkpoint) with one broadcast per tensor
+  3. fill it: from a local checkpoint (--weights), each rank reading only its own rows of each tensor;
+     or from rank 0's seeded random init, with one broadcast per tensor
   4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
   5. train: gradient accumulation, clipping, AdamW, checkpoints every --save-every steps
   6. report: progress on rank 0 (loss, tokens/s, peak memory), a final JSON line
@@ -55,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, DistributedSampler
 
 import fsdp2lite as fl
+from fsdp2lite import finetune
 from fsdp2lite.models import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a collective or the rendezvous may wait for a peer before failing (so torchrun can "
         "restart a job that lost a rank); default 600",
     )
+    add_finetune_arguments(p)
     args = p.parse_args(argv)
     if not args.pg_timeout > 0:
         p.error(f"--pg-timeout must be a positive number of seconds, got {args.pg_timeout:g}")
@@ -189,7 +192,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if args.resume and args.resume == "latest" and args.checkpoint_dir is None:
         p.error("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
+    try:
+        args.lora = finetune.LoraSettings(
+            args.lora_rank, args.lora_alpha, args.lora_dropout, tuple(t.strip() for t in args.lora_targets.split(","))
+        )
+    except ValueError as exc:
+        p.error(str(exc).replace("lora ", "--lora-", 1))
+    if args.activation_checkpointing is None:  # on by default for lora/qlora
+        args.activation_checkpointing = args.finetune != "full"
     return args
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    """--finetune and LoRA's knobs (fsdp2lite.finetune; docs/finetune.md)."""
+    p.add_argument(
+        "--finetune",
+        choices=("full", "lora", "qlora"),
+        default="full",
+        help="full: train every parameter; lora: peft LoRA adapters on a frozen bf16 base; qlora: the same on a "
+        'frozen torchao NF4 base (both need pip install "fsdp2lite[finetune]")',
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default 16)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha; the update is scaled by alpha / rank")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input, in [0, 1)")
+    p.add_argument(
+        "--lora-targets",
+        default=",".join(finetune.DEFAULT_TARGETS),
+        help="comma list of module names that get adapters (default: Llama's attention and MLP projections)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each decoder layer's forward in backward (default: on for lora/qlora, off for full)",
+    )
 
 
 # ---- 1. the process group ---------------------------------------------------------------------------
@@ -307,7 +343,7 @@ class ModelSpec:
 
 def resolve_model(args: argparse.Namespace) -> ModelSpec:
     """The model's config: a preset, ``--model-config DIR``, or ``--weights DIR``'s own config.json
-    (read on every rank, so DIR must be readable on every node; only rank 0 reads the weights)."""
+    (read on every rank, so DIR must be readable on every node; each rank reads its own rows of the weights)."""
     if args.weights is not None and args.model_config is not None:
         raise UsageError(
             f"--weights {args.weights} and --model-config {args.model_config}: pass one; a checkpoint "
@@ -385,6 +421,31 @@ def fill_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
         dist.broadcast(buffer, src=0)
 
 
+def load_weights(model: nn.Module, directory: Path, spec: ModelSpec) -> None:
+    """Fill the sharded ``model`` from ``directory``'s safetensors files, each rank reading only its own
+    rows of each tensor (``fl.load_sharded_weights``); the buffers no checkpoint holds (rotary inv_freq)
+    come from the model's constructor, run with every parameter on the meta device."""
+    buffers = dict(host_buffers(spec).named_buffers())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    fl.load_sharded_weights(model, directory)
+
+
+def host_buffers(spec: ModelSpec) -> nn.Module:
+    """The model built with its buffers on the host and every parameter on the meta device (each is
+    moved there as it is registered, before any initializer writes it): the buffers' values, no weights."""
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        return None if param is None else nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        return new_model(spec)
+    finally:
+        handle.remove()  # the hook is global: only this construction may see it
+
+
 def source_model(args: argparse.Namespace, spec: ModelSpec) -> nn.Module:
     """Rank 0's full copy, on the host: a local checkpoint, or a random init from ``--seed``."""
     if args.weights is not None:
@@ -398,6 +459,18 @@ def source_model(args: argparse.Namespace, spec: ModelSpec) -> nn.Module:
         return model.float()  # fp32 master weights; the config's mixed precision casts for compute
     torch.manual_seed(args.seed)
     return new_model(spec)
+
+
+def finetune_model(args: argparse.Namespace, spec: ModelSpec, config: fl.FSDPConfig, job: Job) -> nn.Module:
+    """--finetune lora|qlora: the base (--weights or the seeded init) in bf16 with peft's adapters, for qlora
+    its targeted Linear weights in NF4, sharded per decoder layer with activation checkpointing. Every rank
+    builds the whole base on the host first (same bytes everywhere), then keeps only its shards."""
+    mesh = fl.init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=job.device.type)
+    model = finetune.apply_lora(source_model(args, spec).to(torch.bfloat16), args.lora)
+    if args.finetune == "qlora":
+        finetune.quantize_base(model, shard_size=mesh["shard"].size() if mesh.ndim > 1 else mesh.size())
+    fl.apply_config(model.to(job.device), finetune.finetune_config(config, args.activation_checkpointing), mesh)
+    return model
 
 
 def lm_loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
@@ -525,19 +598,32 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     config, spec, resume, tokenizer, dataset = on_every_rank(
         job, "reading the arguments", lambda: read_inputs(args, config_path)
     )
-    model = on_every_rank(job, f"sharding {spec.label} with {config_path}", lambda: shard_on_meta(spec, config, job))
-    # rank 0 reads (or initializes) the full model first, so a bad checkpoint stops every rank here,
-    # before any of them waits in the broadcast
-    source = on_every_rank(job, f"loading {spec.label}", lambda: source_model(args, spec) if job.rank == 0 else None)
-    fill_from_rank0(model, source)
-    del source  # rank 0's full host copy is no longer needed
-    decay = [p for p in model.parameters() if p.ndim >= 2]  # no weight decay on norms and biases
-    rest = [p for p in model.parameters() if p.ndim < 2]
+    if args.finetune != "full":
+        what = f"preparing --finetune {args.finetune} of {spec.label} with {config_path}"
+        model = on_every_rank(job, what, lambda: finetune_model(args, spec, config, job))
+    else:
+        model = on_every_rank(
+            job, f"sharding {spec.label} with {config_path}", lambda: shard_on_meta(spec, config, job)
+        )
+        if args.weights is not None:  # every rank reads only its own rows: no rank holds the whole model
+            on_every_rank(job, f"loading {spec.label}", lambda: load_weights(model, args.weights, spec))
+        else:
+            # rank 0 initializes the full model first, so a failure stops every rank here, before any of
+            # them waits in the broadcast
+            source = on_every_rank(
+                job, f"initializing {spec.label}", lambda: source_model(args, spec) if job.rank == 0 else None
+            )
+            fill_from_rank0(model, source)
+            del source  # rank 0's full host copy is no longer needed
+    trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapters
+    decay = [p for p in trained if p.ndim >= 2]  # no weight decay on norms and biases
+    rest = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0)
     if resume is not None:
-        on_every_rank(job, f"loading {resume}", lambda: fl.load_checkpoint(resume, model, optimizer))
+        load = finetune.load_trainable if args.finetune != "full" else fl.load_checkpoint
+        on_every_rank(job, f"loading {resume}", lambda: load(resume, model, optimizer))
         state = json.loads((resume / STATE_FILE).read_text())
         run.start_step, run.tokens_seen = int(state["step"]), int(state["tokens"])
         if state["global_batch"] != global_batch(args, job) and job.rank == 0:
@@ -561,6 +647,13 @@ def read_inputs(args: argparse.Namespace, config_path: Path) -> tuple[Any, ...]:
         raise UsageError(f"--config {config_path}: no such file; the configs that come with fsdp2lite: {shipped}")
     files = text_files(args.data)
     config = fl.FSDPConfig.from_yaml(config_path)
+    if args.finetune != "full":
+        try:
+            finetune.require_libraries(args.finetune)
+        except finetune.MissingExtraError as exc:
+            raise UsageError(str(exc)) from None
+    elif args.activation_checkpointing:
+        config = finetune.finetune_config(config, activation_checkpointing=True, compute_dtype=None)
     spec = resolve_model(args)
     if spec.max_positions is not None and args.seq > spec.max_positions[1]:
         key, limit = spec.max_positions
@@ -591,7 +684,11 @@ def find_resume(args: argparse.Namespace) -> Path | None:
 
 
 def save(path: Path, run: Run, job: Job, step: int, args: argparse.Namespace) -> None:
-    fl.save_checkpoint(path, run.model, run.optimizer)  # every rank writes its shards
+    if args.finetune != "full":  # adapters + optimizer; the frozen base is rebuilt, not saved
+        finetune.save_trainable(path, run.model, run.optimizer)
+        finetune.save_adapter(run.model, path / "adapter")  # peft's format, for PeftModel.from_pretrained
+    else:
+        fl.save_checkpoint(path, run.model, run.optimizer)  # every rank writes its shards
     if args.fault:
         args.fault.strike(job, "save", step)
     dist.barrier()  # every shard is on disk before the directory is marked finished

@@ -259,3 +259,61 @@ def test_qlora_refuses_weights_without_whole_scale_blocks_before_changing_any() 
     ):
         finetune.quantize_base(model, shard_size=2)
     assert all(p is before[n] for n, p in model.named_parameters())
+
+
+# ---- examples/train.py ---------------------------------------------------------------------------------
+def _train_module() -> Any:
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    return train
+
+
+@needs_torchao
+def test_train_qlora_saves_a_peft_adapter_and_resumes_exactly(tmp_path: Path) -> None:
+    """torchrun, 2 CPU ranks: --finetune qlora 4 steps saving at 2; a run resumed from step 2 has the
+    uninterrupted losses of steps 3 and 4; the checkpoint holds adapters + optimizer and peft's adapter."""
+    import json
+
+    import transformers
+    from test_example_train import losses, record, torchrun
+
+    transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "model")  # fmt: skip
+    common = ["--model-config", "model", "--finetune", "qlora", "--lora-rank", "4", "--seq", "32", "--batch", "2"]
+    common += ["--warmup-steps", "2", "--log-every", "1", "--checkpoint-dir", "ckpt", "--save-every", "2"]
+    first = record(torchrun(*common, "--steps", "4", "--metrics", "a.jsonl", cwd=tmp_path))
+    assert first["final_loss"] < losses(tmp_path / "a.jsonl")[1]
+    step2 = tmp_path / "ckpt" / "step-0000002"
+    config = json.loads((step2 / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 32.0) and (
+        step2 / "adapter" / "adapter_model.safetensors"
+    ).is_file()
+    resumed = record(torchrun(*common, "--steps", "4", "--resume", str(step2), "--metrics", "b.jsonl", cwd=tmp_path))
+    assert resumed["start_step"] == 2
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert [b[3], b[4]] == [a[3], a[4]], (a, b)
+
+
+def test_train_refuses_lora_settings_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    train = _train_module()
+    for flag, value, message in (
+        ("--lora-rank", "0", "--lora-rank 0: expected an integer from 1 to 4096"),
+        ("--lora-alpha", "-1", "--lora-alpha -1.0: expected a number greater than 0"),
+        ("--lora-dropout", "1.5", "--lora-dropout 1.5: expected a number in [0, 1)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            train.parse_args(["--finetune", "lora", flag, value])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_qlora_without_torchao_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    train = _train_module()
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    args = train.parse_args(["--finetune", "qlora"])
+    with pytest.raises(train.UsageError, match=r'--finetune qlora needs torchao.*pip install "fsdp2lite\[finetune\]"'):
+        train.read_inputs(args, train.HF_CONFIG)

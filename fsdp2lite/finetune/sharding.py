@@ -8,13 +8,15 @@ import torch
 from ..config import FSDPConfig
 
 
-def finetune_config(config: FSDPConfig, activation_checkpointing: bool = True) -> FSDPConfig:
-    """``config`` with ``param_dtype`` bf16 unless it names one (fp32 adapter masters and optimizer state
-    stay sharded in fp32) and ``activation_checkpointing`` set on every wrap rule (each decoder layer's
-    forward recomputed in backward). peft keeps the decoder layers' class names, so class rules such as
-    configs/hf_causal_lm.yaml's still match them. A new config; ``config`` is unchanged."""
+def finetune_config(
+    config: FSDPConfig, activation_checkpointing: bool = True, compute_dtype: torch.dtype | None = torch.bfloat16
+) -> FSDPConfig:
+    """``config`` with ``param_dtype`` ``compute_dtype`` unless it names one (fp32 adapter masters and
+    optimizer state stay sharded in fp32; None: leave it) and ``activation_checkpointing`` set on every
+    wrap rule (each decoder layer's forward recomputed in backward). peft keeps the decoder layers' class
+    names, so class rules such as configs/hf_causal_lm.yaml's still match them. A new config."""
     mixed = config.mixed_precision
-    if mixed.param_dtype is None:
-        mixed = mixed.model_copy(update={"param_dtype": torch.bfloat16})
+    if mixed.param_dtype is None and compute_dtype is not None:
+        mixed = mixed.model_copy(update={"param_dtype": compute_dtype})
     rules = [rule.model_copy(update={"activation_checkpointing": activation_checkpointing}) for rule in config.wrap]
     return config.model_copy(update={"mixed_precision": mixed, "wrap": rules})
