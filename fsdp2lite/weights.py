@@ -8,12 +8,15 @@ as ``save_pretrained`` writes for large models) or one ``model.safetensors``. Ev
 the files and, for each tensor of the model's state dict, reads only the region its local tensor
 covers ([Note: local region]): no rank reads the whole model, rank 0 included, and no collective runs.
 
-Two phases ([Note: all or nothing]):
+[Note: all or nothing]
+Two phases:
   1. check: the index, every shard file's header (read as JSON; nothing in a file ever runs as code),
      every tensor the model needs (present, same shape, a dtype that loads and casts); every problem
      found is listed in one ``CheckpointError`` naming the file and the tensor, and the model is untouched
   2. copy: tensor by tensor, read this rank's region, pass it through ``transform``, copy it into the
      local tensor, let it go; the most held at once beyond the model is one tensor's region
+Only what phase 1 cannot see fails in phase 2, with the model part-filled: a read error of the disk, a
+file changed in between, or a ``transform`` that raises or returns the wrong shape.
 
 [Note: local region]
 A DTensor's local tensor is the region the placements give, ``torch.chunk`` style along each sharded dim
@@ -175,8 +178,13 @@ def read_checkpoint(directory: Path) -> dict[str, StoredTensor]:
             f"{path}: tensor {key}: the index places it in this file, which does not hold it" for key in missing
         ]
     if problems:
-        raise CheckpointError(f"{directory}: cannot load:\n  " + "\n  ".join(problems))
+        raise CheckpointError(listed(f"{directory}: cannot load", problems))
     return stored
+
+
+def listed(what: str, problems: list[str]) -> str:
+    """One problem on the line; several, one a line below."""
+    return f"{what}: {problems[0]}" if len(problems) == 1 else f"{what}:\n  " + "\n  ".join(problems)
 
 
 def read_index(index: Path) -> dict[str, list[str]]:
@@ -323,7 +331,7 @@ def plan_loads(
         loaded.append(name)
         tied += [n for n in names if n != name]
     if problems:
-        raise CheckpointError(f"{directory}: cannot load into the model:\n  " + "\n  ".join(problems))
+        raise CheckpointError(listed(f"{directory}: cannot load into the model", problems))
     unused = tuple(sorted(set(stored) - {load.source.key for load in loads}))
     return loads, NameReport(tuple(loaded), tuple(tied), tuple(skipped), unused)
 

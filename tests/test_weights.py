@@ -41,26 +41,27 @@ def mlp_dim1(param: nn.Parameter) -> Shard | None:
     return Shard(1) if param.shape == (32, 64) else None
 
 
-def shard(model: nn.Module, placement_fn: Any = None) -> nn.Module:
-    """Per decoder layer and the root; the final norm ignored (a plain tensor, whole on every rank)."""
-    mesh = cpu_mesh()
+def shard(model: nn.Module, placement_fn: Any = None, hsdp: bool = False) -> nn.Module:
+    """Per decoder layer and the root; the final norm ignored (a plain tensor, whole on every rank).
+    ``hsdp``: 2 replicas of 1 shard, placements (Replicate(), Shard(0)) on a 2D mesh."""
+    mesh = fl.init_mesh(replicate=2, shard=1, device_type="cpu") if hsdp else cpu_mesh()
     for layer in model.model.layers:
         fl.fully_shard(layer, mesh, shard_placement_fn=placement_fn)
     fl.fully_shard(model, mesh, shard_placement_fn=placement_fn, ignored_params={model.model.norm.weight})
     return model
 
 
-def sharded_on_meta(tied: bool = False, placement_fn: Any = None) -> nn.Module:
+def sharded_on_meta(tied: bool = False, placement_fn: Any = None, hsdp: bool = False) -> nn.Module:
     with torch.device("meta"):
         model = tiny_llama(tied=tied)
-    return shard(model, placement_fn).to_empty(device="cpu")
+    return shard(model, placement_fn, hsdp).to_empty(device="cpu")
 
 
-def full_load_sharded(directory: Path, placement_fn: Any = None) -> nn.Module:
+def full_load_sharded(directory: Path, placement_fn: Any = None, hsdp: bool = False) -> nn.Module:
     """The usual way: every rank loads the whole model with transformers, then shards it."""
     from transformers import AutoModelForCausalLM
 
-    return shard(AutoModelForCausalLM.from_pretrained(directory).float(), placement_fn)
+    return shard(AutoModelForCausalLM.from_pretrained(directory).float(), placement_fn, hsdp)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,14 +134,19 @@ def file_bytes(directory: Path) -> tuple[int, int]:
 
 # ---- the checks, one spawn -----------------------------------------------------------------------------
 def check_equal_to_full_load(rank: int, ws: int, root: Path) -> None:
-    for name, placement_fn in [("fp32", None), ("bf16", None), ("fp32", mlp_dim1)]:
-        model = sharded_on_meta(placement_fn=placement_fn)
+    for name, placement_fn, hsdp in [
+        ("fp32", None, False),
+        ("bf16", None, False),
+        ("fp32", mlp_dim1, False),
+        ("fp32", None, True),
+    ]:
+        model = sharded_on_meta(placement_fn=placement_fn, hsdp=hsdp)
         report = fl.load_sharded_weights(model, root / name)
-        expected = full_load_sharded(root / name, placement_fn)
+        expected = full_load_sharded(root / name, placement_fn, hsdp)
         assert_same(model, snapshot(expected))
         assert report.unused == () and report.skipped == () and report.tied == ()
         assert set(report.loaded) == set(model.state_dict())
-        for (n, buffer), (_, source) in zip(model.named_buffers(), expected.named_buffers()):
+        for (_, buffer), (_, source) in zip(model.named_buffers(), expected.named_buffers()):
             buffer.copy_(source)  # rotary inv_freq: in no checkpoint (non-persistent)
         tokens = torch.arange(12).reshape(2, 6) % 96
         assert torch.equal(model(input_ids=tokens).logits, expected(input_ids=tokens).logits)
@@ -203,6 +209,8 @@ def check_transform_and_rename_hooks(rank: int, ws: int, root: Path) -> None:
     assert all(torch.equal(got[n], -expected[n]) for n in got if n != "model.norm.weight")
     # rename: None leaves a tensor alone; a name the checkpoint lacks is an error naming it
     fresh = sharded_on_meta()
+    for tensor in fresh.state_dict().values():
+        local(tensor).fill_(7.0)  # to_empty's memory may hold NaNs, which equal nothing
     before = snapshot(fresh)
     report = fl.load_sharded_weights(fresh, root / "fp32", rename=lambda n: None if "mlp" in n else n)
     assert len(report.skipped) == 6 and all(torch.equal(snapshot(fresh)[n], before[n]) for n in report.skipped)
