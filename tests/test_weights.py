@@ -304,3 +304,22 @@ def test_load_sharded_weights(tmp_path: Path) -> None:
     save_checkpoints(tmp_path)
     make_bad_checkpoints(tmp_path)
     spawn(run_checks, 2, str(tmp_path))
+
+
+def test_peft_wrapped_model_takes_the_base_checkpoint(tmp_path: Path) -> None:
+    """peft's names (``base_model.model.`` prefix, ``.base_layer.``) find the base checkpoint's tensors; the
+    adapters are left alone. Naming only, so one process and an unsharded model (every tensor whole)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    full = tiny_llama()
+    full.save_pretrained(tmp_path, max_shard_size=SHARD_SIZE)
+    with torch.device("meta"):
+        model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.to_empty(device="cpu")
+    report = fl.load_sharded_weights(model, tmp_path)
+    assert sorted(report.skipped) == sorted(n for n in model.state_dict() if ".lora_" in n) and len(report.skipped) == 8
+    assert report.unused == () and len(report.loaded) == len(full.state_dict())
+    state = model.state_dict()
+    for name in report.loaded:
+        base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        assert torch.equal(state[name], full.state_dict()[base]), name
