@@ -120,7 +120,10 @@ def load_sharded_weights(
     dtype, on the host) under the model's state-dict name, before it is stored: return the tensor to copy
     into the local tensor (same shape; ``copy_`` casts, and a tensor-subclass local such as an NF4 weight
     defines what copying means), or None when the hook stored it itself. With a transform the file's
-    dtype need only load, not cast. QLoRA quantizes each rank's own rows this way.
+    dtype need only load, not cast. QLoRA quantizes each rank's own rows this way. Every rank calls it for
+    every loaded tensor in the same order (shard files as the state dict first reaches them, state-dict
+    order within a file), a rank with no rows of a tensor too (with an empty tensor), so it may run
+    collectives (e.g. an all-gather of NF4 block scales).
 
     ``rename(name) -> checkpoint name | None`` maps the model's state-dict names to the checkpoint's;
     None leaves that tensor as it is. Without it: the name itself; with peft's ``base_model.model.``

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from _dist import cpu_mesh, spawn
 from _models import tiny_llama
@@ -205,6 +206,9 @@ def check_transform_and_rename_hooks(rank: int, ws: int, root: Path) -> None:
     expected = snapshot(full_load_sharded(root / "fp32"))
     got = snapshot(model)
     assert seen == {name: t.shape for name, t in got.items()}, "each local region once, under the model's name"
+    orders: list[Any] = [None] * ws
+    dist.all_gather_object(orders, list(seen))
+    assert all(order == orders[0] for order in orders), "the same order on every rank: a transform may be collective"
     assert torch.equal(got["model.norm.weight"], torch.full((32,), 7.0))
     assert all(torch.equal(got[n], -expected[n]) for n in got if n != "model.norm.weight")
     # rename: None leaves a tensor alone; a name the checkpoint lacks is an error naming it
