@@ -328,7 +328,6 @@ def test_a_hook_returning_the_wrong_shape_is_named() -> None:
 @pytest.mark.usefixtures("single_rank_pg")
 def test_hooked_parameters_refuse_what_they_cannot_do() -> None:
     for kwargs, message in (
-        ({"offload_policy": fl.CPUOffloadPolicy(pin_memory=False)}, "CPU offload is on"),
         ({"shard_placement_fn": lambda p: torch.distributed.tensor.Shard(1) if p.dim() == 2 else None}, r"Shard\(1\)"),
     ):
         model = _even_model()

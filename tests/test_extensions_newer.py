@@ -277,7 +277,6 @@ def test_bad_records_are_named(inputs: Callable[[torch.Tensor], Any], message: s
 @pytest.mark.usefixtures("single_rank_pg")
 def test_late_hooks_a_group_cannot_take_are_refused_at_the_all_gather() -> None:
     for kwargs, problem in (
-        ({"offload_policy": fl.CPUOffloadPolicy(pin_memory=False)}, "CPU offload is on"),
         ({"comm_policy": fl.CommPolicy(all_gather="int8")}, "its group's CommPolicy quantizes the all-gather"),
     ):
         layer = _hooked_layer(lambda t: (t,), **kwargs)

@@ -17,7 +17,21 @@ once and kept across steps (their storage freed at reshard, given back at unshar
 each output in its gathered shape (``(shard_size * rows, *rest)`` for a plain tensor): the first time it
 builds the unsharded tensor (torchao's NF4 builds it on those very buffers), later it refills it in place
 (``out=``), so the Parameter object autograd and the modules hold stays the same. Dim-0 sharding only,
-no tensor parallelism, CPU offload or quantized all-gather (each refused, naming the parameter).
+no tensor parallelism or quantized all-gather (each refused, naming the parameter); CPU offload is
+supported: [Note: offloaded hooked parameters].
+
+[Note: offloaded hooked parameters]
+Under ``CPUOffloadPolicy`` the padded shard of a hooked parameter lives on the host like any other
+(moved there by the subclass's own ``cpu()``, pinned by its own ``pin_memory()`` where the group pins:
+torchao's NF4 moves and pins its inner tensors). At each all-gather from the sharded state the shard is
+first copied to the compute device (the subclass's ``to(device, non_blocking=True)``; from pinned
+memory an asynchronous copy), and the pre hook is called on that copy, as torch's ``fully_shard`` does:
+a hook's metadata may record the device (NF4's does, and its post hook builds the unsharded tensor on
+that device), so the hook must see a device tensor. On CUDA the copy, the hook and the copy-in run on
+the ``all_gather_copy_in`` stream (``Comm.on``: after the compute stream's queued work; the copy is
+allocated there and last read there, [Note: CUDA buffer lifetime]); on CPU the device is the host and
+the copy is the shard itself. Gradients of a trainable hooked parameter are reduced and stored on the
+host as every offloaded parameter's are (``accumulate_sharded_grads``).
 
 [Note: hooks looked up per all-gather]
 As torch does, the hooks are looked up on the sharded parameter's local tensor (``param._local_tensor``)
@@ -152,20 +166,18 @@ class AllGatherExtension:
         """Whether ``pre`` and ``post`` (just looked up) are the hooks this record was made for."""
         return hook_key(pre) is self.pre_key and hook_key(post) is self.post_key
 
-    def check_supported(self, shard_dim: int, tensor_parallel: bool, offload: bool, quantized: bool = False) -> None:
-        """Such a parameter is sharded on dim 0, on the device, without tensor parallelism, gathered exactly."""
+    def check_supported(self, shard_dim: int, tensor_parallel: bool, quantized: bool = False) -> None:
+        """Such a parameter is sharded on dim 0, without tensor parallelism, gathered exactly."""
         problem = (
             f"shard_placement_fn chose Shard({shard_dim})" if shard_dim != 0
             else "it is also tensor parallel" if tensor_parallel
-            else "CPU offload is on" if offload
             else "its group's CommPolicy quantizes the all-gather" if quantized
             else None
         )  # fmt: skip
         if problem is not None:
             raise ValueError(
                 f"parameter '{self.fqn}' defines torch's all-gather extension (fsdp_pre_all_gather), but {problem}: "
-                "such parameters are sharded on dim 0, without tensor parallelism, CPU offload or a quantized "
-                "all-gather"
+                "such parameters are sharded on dim 0, without tensor parallelism or a quantized all-gather"
             )
 
     def shard(self, data: torch.Tensor, mesh_info: Any, padded_shape: tuple[int, ...], rows: int) -> torch.Tensor:
@@ -173,6 +185,21 @@ class AllGatherExtension:
         slicing, ``copy_``, as torch's fully_shard makes it), so the shard is a subclass tensor too."""
         chunks = torch.chunk(data.detach(), mesh_info.shard_size, dim=0)
         return self.pad(chunks[mesh_info.shard_rank] if rows else chunks[0], padded_shape, rows)
+
+    @staticmethod
+    def to_host(padded: torch.Tensor, pin: bool) -> torch.Tensor:
+        """CPU offload: ``padded`` on the host, pinned when ``pin``, by the subclass's own ``cpu()`` and
+        ``pin_memory()`` ([Note: offloaded hooked parameters]); a meta shard stays on meta."""
+        if padded.device.type == "meta":
+            return padded
+        host = padded.cpu()
+        return host.pin_memory() if pin and not host.is_pinned() else host
+
+    @staticmethod
+    def to_device(padded: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """CPU offload: the host shard's copy on the compute ``device`` that the pre hook is called on
+        (asynchronous from pinned memory; the shard itself when ``device`` is the host)."""
+        return padded.to(device, non_blocking=True)
 
     @staticmethod
     def pad(local: torch.Tensor, padded_shape: tuple[int, ...], rows: int) -> torch.Tensor:

@@ -250,8 +250,9 @@ class FSDPParamGroup:
             if not as_bytes:
                 sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
                 numels = [p.padded_numel for p in self.params]
-            else:
-                sources, numels = byte_sources(self.params)
+            else:  # offloaded: device copy + pre hook on the copy-in stream, [Note: offloaded hooked parameters]
+                with self.comm.on("all_gather_copy_in") if self.params[0].offload_to_cpu else nullcontext():
+                    sources, numels = byte_sources(self.params)
             result = issue_all_gather(
                 sources, numels, info.shard_group, info.shard_size, info.shard_rank,
                 torch.uint8 if dtype is None else dtype, self.comm,

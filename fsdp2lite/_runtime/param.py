@@ -183,7 +183,7 @@ class FSDPParam(GradientState):
         self.extension = AllGatherExtension(data, fqn) if has_extension(data) else None
         self.mp_policy = mp_policy
         if self.extension is not None:
-            self.extension.check_supported(shard_dim, isinstance(param, DTensor), policy.offload_to_cpu)
+            self.extension.check_supported(shard_dim, isinstance(param, DTensor))
         self.gather_shape = data.shape
         rows, ws, rank = data.shape[shard_dim], mesh_info.shard_size, mesh_info.shard_rank
         self.padded_rows = math.ceil(rows / ws)
@@ -193,7 +193,7 @@ class FSDPParam(GradientState):
         meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
         self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
         if self.extension is not None:  # the subclass's own ops, so the shard stays one
-            self._adopt_padded_shard(self.extension.shard(data, mesh_info, self.padded_shape, self.local_rows))
+            self._adopt_hooked_shard(self.extension.shard(data, mesh_info, self.padded_shape, self.local_rows))
         else:
             self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
@@ -245,6 +245,12 @@ class FSDPParam(GradientState):
             return
         self.flat_shard = padded.view(-1)
         self.local_view = padded.narrow(self.shard_dim, 0, self.local_rows)
+
+    def _adopt_hooked_shard(self, padded: torch.Tensor) -> None:
+        """A hooked parameter's padded shard, on the host under CPU offload ([Note: offloaded hooked parameters])."""
+        if self.offload_to_cpu:
+            padded = AllGatherExtension.to_host(padded, self.pin_memory)
+        self._adopt_padded_shard(padded)
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,
@@ -304,7 +310,7 @@ class FSDPParam(GradientState):
         if local is self.local_view:
             return  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
         if self.extension is not None:
-            self._adopt_padded_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
+            self._adopt_hooked_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
         else:
             self._adopt_padded_shard(self._new_padded_shard(local.detach()))
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
@@ -393,9 +399,10 @@ class FSDPParam(GradientState):
             raise RuntimeError(f"{self.fqn}: extension_inputs() on a parameter without all-gather hooks")
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]  # where the hooks are looked up
         module = self.places[0].module
-        return self.extension.inputs(
-            self.padded_shard, local, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy
-        )
+        shard = self.padded_shard  # offloaded: its copy on the device ([Note: offloaded hooked parameters])
+        if self.offload_to_cpu:
+            shard = self.extension.to_device(shard, self.device)
+        return self.extension.inputs(shard, local, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy)
 
     def sync_extension(self, quantized: bool) -> bool:
         """Look the all-gather hooks up on the local tensor, as torch does at every all-gather, so hooks set
@@ -408,7 +415,7 @@ class FSDPParam(GradientState):
             return False
         extension = AllGatherExtension(local, self.fqn) if pre is not None or post is not None else None
         if extension is not None:  # raises before anything changes
-            extension.check_supported(self.shard_dim, self.tp_spec is not None, self.offload_to_cpu, quantized)
+            extension.check_supported(self.shard_dim, self.tp_spec is not None, quantized)
         self.extension = extension
         self.flat_shard = self.padded_shard if extension is not None else self.padded_shard.view(-1)
         self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
