@@ -120,3 +120,25 @@ def test_cpu_offload_takes_hooked_parameters_at_fully_shard() -> None:
     local = model[0].weight.to_local()
     assert type(local) is QuantWeight and local.device.type == "cpu"
     assert model[0](torch.randn(3, 16)).shape == (3, 32)
+
+
+@pytest.mark.usefixtures("single_rank_pg")
+def test_a_policy_file_offloads_the_nf4_base(tmp_path: Any) -> None:
+    """QLoRA's frozen NF4 base offloaded because the YAML policy file says so (``offload: {device: cpu}``):
+    each wrapped layer's NF4 shard on the host, and a step trains the adapters."""
+    pytest.importorskip("torchao", reason="torchao is not installed: pip install -e '.[dev]' (the NF4 check)")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    path = tmp_path / "qlora.yaml"
+    path.write_text("offload: {device: cpu, pin_memory: false}\nwrap:\n  - match: {class: LoRALinear}\n")
+    torch.manual_seed(5)
+    model = nn.Sequential(LoRALinear(128, 256), nn.ReLU(), LoRALinear(256, 128))
+    fl.apply_config(model, fl.FSDPConfig.from_yaml(path))
+    for layer in (model[0], model[2]):
+        local = layer.weight.to_local()
+        assert type(local) is NF4Tensor and local.quantized_data.device.type == "cpu"
+    before = model[0].b.detach().clone()
+    model(torch.randn(4, 128).bfloat16()).float().pow(2).mean().backward()
+    assert model[0].weight.grad is None and model[0].b.grad.to_local().device.type == "cpu"
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    assert not torch.equal(model[0].b.detach(), before)
