@@ -220,6 +220,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(finetune.DEFAULT_TARGETS),
         help="comma list of module names that get adapters (default: Llama's attention and MLP projections)",
     )
+    # a testing aid: --finetune with --weights the old way, every rank loading the whole base (the oracle
+    # of the per-rank load in tests/test_finetune_weights.py)
+    p.add_argument("--load-whole-base", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
@@ -421,15 +424,15 @@ def fill_from_rank0(model: nn.Module, source: nn.Module | None) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def load_weights(model: nn.Module, directory: Path, spec: ModelSpec) -> None:
+def load_weights(model: nn.Module, directory: Path, spec: ModelSpec, transform: Any = None) -> fl.WeightsReport:
     """Fill the sharded ``model`` from ``directory``'s safetensors files, each rank reading only its own
     rows of each tensor (``fl.load_sharded_weights``); the buffers no checkpoint holds (rotary inv_freq)
     come from the model's constructor, run with every parameter on the meta device."""
     buffers = dict(host_buffers(spec).named_buffers())
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
-    fl.load_sharded_weights(model, directory)
+            buffer.copy_(buffers[name.removeprefix("base_model.model.")])  # peft's wrapping
+    return fl.load_sharded_weights(model, directory, transform=transform)
 
 
 def host_buffers(spec: ModelSpec) -> nn.Module:
@@ -462,15 +465,36 @@ def source_model(args: argparse.Namespace, spec: ModelSpec) -> nn.Module:
 
 
 def finetune_model(args: argparse.Namespace, spec: ModelSpec, config: fl.FSDPConfig, job: Job) -> nn.Module:
-    """--finetune lora|qlora: the base (--weights or the seeded init) in bf16 with peft's adapters, for qlora
-    its targeted Linear weights in NF4, sharded per decoder layer with activation checkpointing. Every rank
-    builds the whole base on the host first (same bytes everywhere), then keeps only its shards."""
+    """--finetune lora|qlora: the base in bf16 with peft's adapters (``finetune.init_adapters`` from --seed),
+    for qlora its targeted Linear weights in NF4, sharded per decoder layer with activation checkpointing.
+    With --weights the model is built on the meta device and sharded there; ``load_finetune_weights`` then
+    fills each rank's shards from its own rows. The seeded random init builds the whole base on every rank
+    (same bytes everywhere) and keeps only its shards: a rank's own random rows are not the rows of the
+    whole model's init, whose generator runs through the tensors in order."""
     mesh = fl.init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=job.device.type)
-    model = finetune.apply_lora(source_model(args, spec).to(torch.bfloat16), args.lora)
+    shard_size = mesh["shard"].size() if mesh.ndim > 1 else mesh.size()
+    per_rank = args.weights is not None and not args.load_whole_base
+    if per_rank:
+        with torch.device("meta"):
+            model = finetune.apply_lora(new_model(spec).to(torch.bfloat16), args.lora)
+    else:
+        model = finetune.apply_lora(source_model(args, spec).to(torch.bfloat16), args.lora)
+        finetune.init_adapters(model, args.seed)
     if args.finetune == "qlora":
-        finetune.quantize_base(model, shard_size=mesh["shard"].size() if mesh.ndim > 1 else mesh.size())
-    fl.apply_config(model.to(job.device), finetune.finetune_config(config, args.activation_checkpointing), mesh)
-    return model
+        finetune.quantize_base(model, shard_size=shard_size, device=job.device)
+    if not per_rank:
+        model.to(job.device)
+    fl.apply_config(model, finetune.finetune_config(config, args.activation_checkpointing), mesh)
+    return model.to_empty(device=job.device) if per_rank else model
+
+
+def load_finetune_weights(model: nn.Module, args: argparse.Namespace, spec: ModelSpec) -> fl.WeightsReport:
+    """The meta-built fine-tuning model's shards from --weights, each rank reading its own rows (qlora: and
+    quantizing them, ``finetune.load_nf4_rows``); then the adapters, which no base checkpoint holds."""
+    transform = finetune.load_nf4_rows(model) if args.finetune == "qlora" else None
+    report = load_weights(model, args.weights, spec, transform)
+    finetune.init_adapters(model, args.seed)
+    return report
 
 
 def lm_loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
@@ -591,6 +615,7 @@ class Run:
     resumed_from: Path | None
     start_step: int
     tokens_seen: int
+    weights_bytes_read: list[int | None]  # per rank: --weights' tensor bytes it read (None: no --weights)
 
 
 def prepare(args: argparse.Namespace, job: Job) -> Run:
@@ -598,15 +623,19 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     config, spec, resume, tokenizer, dataset = on_every_rank(
         job, "reading the arguments", lambda: read_inputs(args, config_path)
     )
+    weights: fl.WeightsReport | None = None
     if args.finetune != "full":
         what = f"preparing --finetune {args.finetune} of {spec.label} with {config_path}"
         model = on_every_rank(job, what, lambda: finetune_model(args, spec, config, job))
+        if args.weights is not None and not args.load_whole_base:
+            what = f"loading {spec.label}"
+            weights = on_every_rank(job, what, lambda: load_finetune_weights(model, args, spec))
     else:
         model = on_every_rank(
             job, f"sharding {spec.label} with {config_path}", lambda: shard_on_meta(spec, config, job)
         )
         if args.weights is not None:  # every rank reads only its own rows: no rank holds the whole model
-            on_every_rank(job, f"loading {spec.label}", lambda: load_weights(model, args.weights, spec))
+            weights = on_every_rank(job, f"loading {spec.label}", lambda: load_weights(model, args.weights, spec))
         else:
             # rank 0 initializes the full model first, so a failure stops every rank here, before any of
             # them waits in the broadcast
@@ -620,7 +649,9 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     rest = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0)
+    bytes_read: list[int | None] = [None] * job.world_size  # each rank's bytes of --weights read
+    dist.all_gather_object(bytes_read, weights.bytes_read if weights is not None else None)
+    run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0, bytes_read)
     if resume is not None:
         load = finetune.load_trainable if args.finetune != "full" else fl.load_checkpoint
         on_every_rank(job, f"loading {resume}", lambda: load(resume, model, optimizer))
@@ -800,6 +831,7 @@ class Report:
             "start_step": run.start_step,
             "steps": args.steps,
             "resumed_from": str(run.resumed_from) if run.resumed_from else None,
+            "weights_bytes_read": run.weights_bytes_read,
         }
         self.progress: Any = None
         if job.rank != 0:

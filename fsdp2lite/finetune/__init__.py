@@ -1,10 +1,11 @@
 """Parameter-efficient fine-tuning on fsdp2lite: peft's LoRA adapters on a frozen base, QLoRA's NF4 base
 (torchao), one group per decoder layer holding base and adapters, and adapter-only saving.
 
-The recipe (docs/finetune.md): ``require_libraries`` -> ``apply_lora`` (``quantize_base`` for qlora) ->
-``finetune_config`` + ``fl.apply_config`` -> train -> ``save_adapter`` (peft's format) and
-``save_trainable`` / ``load_trainable`` (adapters + optimizer, for resuming). Needs the
-``fsdp2lite[finetune]`` extra (peft and torchao); nothing here imports them before it is called.
+The recipe (docs/finetune.md): ``require_libraries`` -> on the meta device ``apply_lora`` (``quantize_base``
+for qlora) -> ``finetune_config`` + ``fl.apply_config`` -> ``to_empty`` -> ``fl.load_sharded_weights`` (with
+``load_nf4_rows`` for qlora: each rank reads and quantizes its own rows) -> ``init_adapters`` -> train ->
+``save_adapter`` (peft's format) and ``save_trainable`` / ``load_trainable`` (adapters + optimizer, for
+resuming). Needs the ``fsdp2lite[finetune]`` extra (peft and torchao); nothing here imports them before it is called.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from .adapter import save_adapter
 from .checkpoint import load_trainable, save_trainable
 from .deps import INSTALL_HINT, MissingExtraError, require_libraries
-from .lora import DEFAULT_TARGETS, LoraSettings, apply_lora, trainable_parameters
-from .qlora import BLOCK_SIZE, SCALER_BLOCK_SIZE, quantize_base, quantize_rows
+from .lora import DEFAULT_TARGETS, LoraSettings, apply_lora, init_adapters, trainable_parameters
+from .qlora import BLOCK_SIZE, SCALER_BLOCK_SIZE, load_nf4_rows, quantize_base, quantize_rows
 from .sharding import finetune_config
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "SCALER_BLOCK_SIZE",
     "apply_lora",
     "finetune_config",
+    "init_adapters",
+    "load_nf4_rows",
     "load_trainable",
     "quantize_base",
     "quantize_rows",

@@ -3,10 +3,13 @@ model's Linear layers before anything changes), the base frozen."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
+from ..weights import local_region, local_tensor
 from .deps import require_libraries
 
 # the attention and MLP projections of Llama-style decoders (Llama, Mistral, Qwen2/3, Gemma, Phi-3 split)
@@ -65,3 +68,23 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimizer gets (the adapters, after ``apply_lora``)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> list[str]:
+    """Initialize every LoRA adapter of ``model`` as peft does (``lora_A`` Kaiming-uniform with
+    a=sqrt(5), ``lora_B`` zeros: the update starts at zero), from a generator seeded with ``seed``, in
+    parameter order; returns their names. Sharded or not, on meta-built models too: each rank draws the
+    whole tensor on the host and keeps its own region, so every rank holds the same adapters and a
+    sharded model gets the values the unsharded one would."""
+    generator = torch.Generator().manual_seed(seed)
+    names = []
+    for name, param in model.named_parameters():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            continue
+        full = torch.zeros(param.shape, dtype=param.dtype)  # lora_B: zeros
+        if ".lora_A." in name:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+        local_tensor(param).copy_(full[local_region(name, param)])
+        names.append(name)
+    return names
