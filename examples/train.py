@@ -23,8 +23,9 @@ downloaded: models come from a preset or a local directory, data from a local fi
 The steps, as the code below reads:
   1. join the process group (NCCL bound to this process's GPU, or gloo on CPU)
   2. build the model on the meta device and shard it as the YAML config says (no memory yet)
-  3. fill it: from a local checkpoint (--weights), each rank reading only its own rows of each tensor;
-     or from rank 0's seeded random init, with one broadcast per tensor
+  3. fill it: from a local checkpoint (--weights), each rank reading only its own rows of each tensor
+     (--finetune qlora: quantizing them to NF4); or from rank 0's seeded random init, with one broadcast
+     per tensor (--finetune lora|qlora without --weights: every rank builds the seeded base whole)
   4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
   5. train: gradient accumulation, clipping, AdamW, checkpoints every --save-every steps
   6. report: progress on rank 0 (loss, tokens/s, peak memory), a final JSON line
