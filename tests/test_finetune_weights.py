@@ -3,7 +3,9 @@ the meta device, sharded, and each rank reads only its own rows of the base from
 (qlora: quantizing them to NF4 with finetune.quantize_rows). Checked on 2 CPU ranks under torchrun with a
 saved tiny Llama (hidden 256: every rank's rows of each projection hold whole NF4 scale blocks) against
 the same job with every rank loading the whole base first (--load-whole-base): the logged losses equal
-bit for bit, and no rank read more than its share of the checkpoint's tensor bytes."""
+bit for bit, and no rank read more than its share of the checkpoint's tensor bytes; a qlora run resumed
+from its step-2 checkpoint (adapters and optimizer; the base read again per rank from --weights) has the
+uninterrupted losses."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from test_example_train import losses, record, torchrun
 from test_finetune import needs_peft, needs_torchao
 
-STEPS = 3
+STEPS = 4
 
 
 def save_llama(directory: Path) -> None:
@@ -57,7 +59,8 @@ def test_per_rank_load_trains_like_the_whole_base(tmp_path: Path, mode: str) -> 
     save_llama(tmp_path / "model")
     common = ["--weights", "model", "--finetune", mode, "--lora-rank", "4", "--seq", "32", "--batch", "2"]
     common += ["--steps", str(STEPS), "--warmup-steps", "1", "--log-every", "1"]
-    per_rank = record(torchrun(*common, "--metrics", "a.jsonl", cwd=tmp_path))
+    saving = ["--checkpoint-dir", "ckpt", "--save-every", "2"] if mode == "qlora" else []
+    per_rank = record(torchrun(*common, *saving, "--metrics", "a.jsonl", cwd=tmp_path))
     whole = record(torchrun(*common, "--load-whole-base", "--metrics", "b.jsonl", cwd=tmp_path))
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert len(a) == STEPS and a == b, (a, b)
@@ -65,3 +68,9 @@ def test_per_rank_load_trains_like_the_whole_base(tmp_path: Path, mode: str) -> 
     share = shares(tmp_path / "model", 2)
     assert per_rank["weights_bytes_read"] == share, (per_rank["weights_bytes_read"], share)
     assert max(share) <= sum(share) / 2  # each rank its half: no rank read the whole model
+    if mode == "qlora":  # the base comes back from --weights, adapters and optimizer from the checkpoint
+        step2 = tmp_path / "ckpt" / "step-0000002"
+        resumed = record(torchrun(*common, "--resume", str(step2), "--metrics", "c.jsonl", cwd=tmp_path))
+        assert resumed["start_step"] == 2 and resumed["weights_bytes_read"] == share
+        c = losses(tmp_path / "c.jsonl")
+        assert [c[3], c[4]] == [a[3], a[4]], (a, c)
