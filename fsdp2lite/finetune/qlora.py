@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from .._runtime.comm import all_gather_flat
 from .deps import require_libraries
 
 BLOCK_SIZE = 64  # values per NF4 block (one absmax scale each)
@@ -114,7 +115,7 @@ def quantize_rows(rows: torch.Tensor, group: dist.ProcessGroup | None = None) ->
     local = nf4.to_nf4(rows.contiguous(), BLOCK_SIZE, SCALER_BLOCK_SIZE)  # codes: per block, so already right
     local_scales = rows.flatten().view(-1, BLOCK_SIZE).abs().amax(dim=1)  # (local_blocks,)
     all_scales = torch.empty(world * local_scales.numel(), dtype=local_scales.dtype, device=local_scales.device)
-    dist.all_gather_into_tensor(all_scales, local_scales, group=group)  # (blocks,) rank-major = row order
+    all_gather_flat(all_scales, local_scales, group=group)  # (blocks,) rank-major = row order
     mean = all_scales.mean()  # what to_nf4 of the whole tensor subtracts
     centered = (local_scales - mean).view(-1, SCALER_BLOCK_SIZE)  # (local_scaler_blocks, 256)
     factor = 256 / (2 * centered.abs().amax(dim=1))  # (local_scaler_blocks,)
