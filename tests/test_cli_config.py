@@ -28,7 +28,9 @@ from fsdp2lite.models import GPT, GPTConfig
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(path) for path in (REPO / "configs").glob("*.yaml"))
 HF_CONFIG = str(REPO / "configs" / "hf_causal_lm.yaml")  # for Hugging Face models (examples/train.py)
-GPT_CONFIGS = [config for config in CONFIGS if config != HF_CONFIG]  # for fsdp2lite's GPT
+# for Hugging Face decoder layers: full training and LoRA/QLoRA fine-tuning (examples/train.py --finetune)
+HF_CONFIGS = [HF_CONFIG, str(REPO / "configs" / "qlora_llama.yaml")]
+GPT_CONFIGS = [config for config in CONFIGS if config not in HF_CONFIGS]  # for fsdp2lite's GPT
 FACTORY = "fsdp2lite.models:gpt_small"
 
 
@@ -217,7 +219,7 @@ def test_group_numbers_for_one_block_match_a_hand_computation() -> None:
 def test_groups_partition_the_model_and_cover_a_world_size_share() -> None:
     for config in CONFIGS:
         explanation = _explain(
-            FSDPConfig.from_yaml(config), world_size=8, model=_llama() if config == HF_CONFIG else None
+            FSDPConfig.from_yaml(config), world_size=8, model=_llama() if config in HF_CONFIGS else None
         )
         assert sum(row.numel for row in explanation.rows) == explanation.total_numel  # tied head counted once
         assert sum(row.unsharded_bytes for row in explanation.rows) == explanation.total_bytes
