@@ -75,14 +75,16 @@ def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def tiny_llama(*, layers: int = 2, tied: bool = False) -> nn.Module:
+def tiny_llama(
+    *, layers: int = 2, tied: bool = False, hidden: int = 32, intermediate: int = 64, vocab: int = 96
+) -> nn.Module:
     """A Hugging Face Llama small enough for gloo tests (built where torch's default device says)."""
     import transformers  # in fsdp2lite[dev]; imported here so the other models do not need it
 
     config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -43,19 +43,10 @@ needs_torchao = pytest.mark.skipif(
 
 def llama(seed: int = 0) -> nn.Module:
     """A 2-layer Llama in bf16: q/o 256x256, k/v 128x256, MLP 512x256 (each half a whole scale block)."""
-    import transformers
+    from _models import tiny_llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    return tiny_llama(hidden=256, intermediate=512).to(torch.bfloat16)
 
 
 def finetune_model(mode: str, seed: int = 0) -> nn.Module:
