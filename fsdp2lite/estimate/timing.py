@@ -1,0 +1,248 @@
+"""How long one training step takes, on a named link and GPU: pure arithmetic, no collectives.
+
+Not yet wired into ``fsdp2lite estimate`` (``--link``/``--gpu`` are issue 31 item 2's next step).
+
+    sent = comm_bytes(plan, shard=8)                          # what each rank's collectives carry per step
+    t = step_time(params=8.03e9, tokens_per_gpu=16384, world_size=8, link="nvlink4", gpu="h100",
+                  comm=sent, attention_flops_per_token=attention_flops(32, 4096, 8192))
+    t.step_s, t.tokens_per_s
+
+The model (docs/estimate.md, "Step time", checks it against two published runs):
+
+    compute_s = tokens_per_gpu * F / (tflops * mfu)
+        F = forward + 2 P + 2 A + 2 P_t (+ forward with activation checkpointing), forward = 2 P + A
+        P all parameters, P_t trainable ones, A attention's forward FLOP per token (4 layers seq hidden)
+        full:       F = 6 P + 3 A            (weight gradients for every weight)
+        lora/qlora: F = 4 P + 3 A + 2 P_t    (frozen weights get input gradients, no weight gradients)
+    comm_s = collectives * latency + sent_per_rank / bandwidth
+        sent_per_rank = (n - 1) / n * (forward all-gather + backward re-gather + reduce-scatter buffers)
+        (ring all-gather and reduce-scatter: each rank sends n - 1 of its n chunks)
+    h2d_s = host_bytes / host link bandwidth   (offloaded shards copied in at each all-gather, their
+                                                sharded gradients copied out)
+    exposed_comm_s = max(0, comm_s + h2d_s - overlap * compute_s)
+        FSDP prefetches the next group's all-gather and reduce-scatters the last one's gradients while a
+        group computes; ``overlap`` (default 0.9, an assumption, not a measurement) is the share of compute
+        that can hide transfers: the first all-gather and the last reduce-scatter of a step wait on nothing.
+    step_s = compute_s + exposed_comm_s;  tokens_per_s = world_size * tokens_per_gpu / step_s (the job's)
+
+GPU peaks are the vendors' dense (no sparsity) BF16 tensor-core figures with FP32 accumulation:
+    h100, h200  989 TFLOP/s   NVIDIA H100 / H200 SXM datasheets (1,979 "with sparsity")
+    a100        312 TFLOP/s   NVIDIA A100 datasheet
+    rtx4090     165.2 TFLOP/s NVIDIA Ada (AD102) whitepaper, "FP16/BF16 tensor, FP32 accumulate"
+Achievable fraction (MFU) of that peak:
+    h100, h200  0.40   Llama 3 paper (Dubey et al. 2024, table 4): 38-43% BF16 MFU on 8K-16K H100s
+    a100        0.50   Narayanan et al. 2021 (Megatron-LM): 52% of peak on 3,072 A100s
+    rtx4090     0.40   no large published training run; assumed as the H100's (unvalidated)
+Link bandwidths are what NCCL's bus bandwidth reaches, not the signalling rate:
+    pcie4    25 GB/s   x16 is 31.5 GB/s per direction; ~80% after protocol overhead
+    pcie5    50 GB/s   x16 is 63 GB/s per direction
+    nvlink4  370 GB/s  nccl-tests all-gather bus bandwidth on 8 x H100 SXM (NVLink 4 is 450 GB/s each way)
+    ib200    25 GB/s   200 Gb/s InfiniBand HDR, one NIC per GPU
+    eth100   12 GB/s   100 Gb/s Ethernet (RoCE)
+The per-collective latencies are rough (tens of microseconds); they matter only for many small groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config import Plan
+from ..policies import cast_dtype
+from .common import element_size, sharded_nbytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect as NCCL sees it."""
+
+    gb_per_s: float  # bus bandwidth, GB/s (1e9 bytes)
+    latency_us: float  # fixed cost of one collective
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU's dense BF16 peak and the fraction of it training reaches."""
+
+    tflops: float  # dense BF16 tensor-core peak, TFLOP/s (1e12)
+    mfu: float  # achievable fraction of ``tflops`` (module docstring cites each)
+
+
+LINKS: dict[str, Link] = {
+    "pcie4": Link(25.0, 15.0),
+    "pcie5": Link(50.0, 15.0),
+    "nvlink4": Link(370.0, 10.0),
+    "ib200": Link(25.0, 20.0),
+    "eth100": Link(12.0, 50.0),
+}
+GPUS: dict[str, Gpu] = {
+    "rtx4090": Gpu(165.2, 0.40),
+    "a100": Gpu(312.0, 0.50),
+    "h100": Gpu(989.0, 0.40),
+    "h200": Gpu(989.0, 0.40),
+}
+
+Finetune = Literal["full", "lora", "qlora"]
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Per step, the buffers one rank's collectives carry (each collective's unsharded size, padded as the
+    all-gather lays it out) and its host copies. Every buffer is ``shard`` equal chunks, so each rank sends
+    exactly ``(shard - 1) / shard`` of it in a ring."""
+
+    shard: int  # ranks in the shard axis (the ring)
+    all_gather_forward: int  # bytes: every group's parameters, in the all-gather's encoding
+    all_gather_backward: int  # bytes: the groups resharded after forward, gathered again in backward
+    reduce_scatter: int  # bytes: trainable parameters' gradients, in the reduce encoding
+    collectives: int  # collectives per step (each pays the link's latency)
+    host_bytes: int  # bytes over the host link: offloaded shards in at each gather, their grads out
+
+    @property
+    def total(self) -> int:
+        return self.all_gather_forward + self.all_gather_backward + self.reduce_scatter
+
+    @property
+    def sent_per_rank(self) -> int:
+        """Bytes each rank sends per step: ``shard - 1`` chunks of every buffer."""
+        return self.total // self.shard * (self.shard - 1)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step's time and its terms (seconds; tokens_per_s is the whole job's)."""
+
+    compute_s: float
+    comm_s: float  # collectives, if nothing overlapped them
+    exposed_comm_s: float  # collectives and host copies left after overlap with compute
+    h2d_s: float  # host copies of offloaded shards (and their gradients back), if nothing overlapped them
+    step_s: float  # compute_s + exposed_comm_s
+    tokens_per_s: float  # world_size * tokens_per_gpu / step_s
+
+
+def find_link(name: str) -> Link:
+    """The table's link ``name``; ValueError naming the valid ones."""
+    if name not in LINKS:
+        raise ValueError(f"unknown link {name!r}; valid links: {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def find_gpu(name: str) -> Gpu:
+    """The table's GPU ``name``; ValueError naming the valid ones."""
+    if name not in GPUS:
+        raise ValueError(f"unknown gpu {name!r}; valid gpus: {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def attention_flops(layers: int, hidden: int, seq: int) -> float:
+    """Attention's forward FLOP per token not in 2 P: scores ``QK^T`` and ``softmax V``, each 2 seq hidden
+    per layer, counted without the causal half as torchtitan's and PaLM's MFU do."""
+    return 4.0 * layers * hidden * seq
+
+
+def flops_per_token(
+    params: float, trainable: float, finetune: Finetune, checkpointing: bool, attention: float = 0.0
+) -> float:
+    """Training FLOP per token (module docstring): forward, input gradients, trainable weight gradients,
+    and the recomputed forward with activation checkpointing."""
+    if finetune not in ("full", "lora", "qlora"):
+        raise ValueError(f"unknown finetune {finetune!r}; valid: full, lora, qlora")
+    trainable = params if finetune == "full" else trainable
+    forward = 2 * params + attention
+    return forward + 2 * params + 2 * attention + 2 * trainable + (forward if checkpointing else 0.0)
+
+
+def step_time(
+    *,
+    params: float,
+    tokens_per_gpu: int,
+    world_size: int,
+    link: str,
+    gpu: str,
+    comm: CommBytes | None = None,
+    finetune: Finetune = "full",
+    trainable_params: float = 0.0,
+    checkpointing: bool = False,
+    attention_flops_per_token: float = 0.0,
+    host_link: str = "pcie4",
+    overlap: float = 0.9,
+) -> StepTime:
+    """One step's time (module docstring). ``trainable_params``: the adapters for lora/qlora (full
+    trains all ``params``); ``comm``: from ``comm_bytes`` (None: no collectives, e.g. world size 1)."""
+    if world_size < 1 or tokens_per_gpu < 1:
+        raise ValueError(f"world_size ({world_size}) and tokens_per_gpu ({tokens_per_gpu}) must be >= 1")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap is a fraction of compute from 0 to 1, got {overlap}")
+    wire, host, device = find_link(link), find_link(host_link), find_gpu(gpu)
+    flops = flops_per_token(params, trainable_params, finetune, checkpointing, attention_flops_per_token)
+    compute_s = tokens_per_gpu * flops / (device.tflops * 1e12 * device.mfu)
+    comm_s = h2d_s = 0.0
+    if comm is not None:
+        if comm.shard > 1:
+            comm_s = comm.collectives * wire.latency_us * 1e-6 + comm.sent_per_rank / (wire.gb_per_s * 1e9)
+        h2d_s = comm.host_bytes / (host.gb_per_s * 1e9)
+    exposed = max(0.0, comm_s + h2d_s - overlap * compute_s)
+    step_s = compute_s + exposed
+    return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, world_size * tokens_per_gpu / step_s)
+
+
+def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | None = None) -> CommBytes:
+    """What one rank's collectives carry per step under ``plan`` at shard degree ``shard``: each group's
+    padded all-gather buffer in param_dtype (or its ``communication`` encoding), again in backward where the
+    group reshards after forward, and its trainable parameters' reduce-scatter buffer in reduce_dtype.
+    ``bytes_per_weight``: parameter path -> bytes per element, overriding the dtype (a QLoRA base in NF4:
+    4.127 / 8). Ignored parameters are never communicated; a replicate axis' all-reduce is not counted."""
+    overrides = bytes_per_weight or {}
+    forward = backward = reduced = collectives = host = 0
+    last = len(plan.groups) - 1
+    for index, (group, params) in enumerate(zip(plan.groups, plan.params)):
+        if not params:
+            continue
+        policy = group.policy
+        mp, wire = policy.mixed_precision, policy.communication
+        gather = scatter = stored = 0
+        for name, param in params.items():
+            padded_shard = sharded_nbytes(param, shard, plan.shard_dims.get(name, 0))
+            rows = padded_shard // param.element_size()
+            override = overrides.get(name)
+            stored += padded_shard if override is None else math.ceil(rows * override)
+            gather += _encoded(rows, shard, override, cast_dtype(param, mp.param_dtype), wire.all_gather,
+                               wire.block_size)  # fmt: skip
+            if param.requires_grad:
+                reduce_dtype = cast_dtype(param, mp.reduce_dtype or mp.param_dtype)
+                encoding = "int8" if wire.reduce_scatter == "int8" else None
+                scatter += _encoded(rows, shard, None, reduce_dtype, encoding, wire.block_size)
+        regather = _reshards(policy.reshard_after_forward, root=index == last) and policy.unshard_in_backward
+        forward += gather
+        backward += gather if regather else 0
+        reduced += scatter
+        collectives += 1 + int(regather) + int(scatter > 0)
+        if policy.offload.device == "cpu":
+            host += stored * (1 + int(regather)) + scatter // shard  # the stored shard in at each gather; grads out
+    return CommBytes(shard, forward, backward, reduced, collectives, host)
+
+
+def _encoded(
+    rows: int, shard: int, bytes_per_weight: float | None, dtype: torch.dtype, encoding: str | None, block: int
+) -> int:
+    """Bytes of one parameter's slot in a collective buffer: ``shard`` chunks of ``rows`` elements (its padded
+    shard), at ``bytes_per_weight``, or quantized (1 byte each + a 4-byte fp32 scale per ``block``), or in
+    ``dtype``."""
+    if bytes_per_weight is not None:
+        return shard * math.ceil(rows * bytes_per_weight)
+    if encoding is not None:
+        return shard * (rows + 4 * math.ceil(rows / block))
+    return shard * rows * element_size(dtype)
+
+
+def _reshards(value: bool | int | str, root: bool) -> bool:
+    """Whether a group frees its unsharded parameters after forward (so backward all-gathers again):
+    ``auto`` is False for the root, True for the others; an int reshards to a smaller group (counted as a
+    full re-gather, an upper bound)."""
+    if value == "auto":
+        return not root
+    return value is not False
