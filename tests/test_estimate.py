@@ -284,7 +284,18 @@ def test_cpu_offload_moves_shards_grads_and_optimizer_to_the_host() -> None:
         offloaded = fl.estimate_memory(build, offload, world_size=8)
         analytic = fl.estimate_memory(build, offload, world_size=8, method="analytic")
     assert offloaded.host_bytes > 0 and offloaded.peak_bytes < on_device.peak_bytes
-    assert offloaded.peak_bytes + offloaded.host_bytes == on_device.peak_bytes
+    pageable = fl.FSDPConfig.model_validate(
+        {**plain.model_dump(mode="json", by_alias=True), "offload": {"device": "cpu", "pin_memory": False}}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unpinned = fl.estimate_memory(build, pageable, world_size=8)
+    assert unpinned.peak_bytes == offloaded.peak_bytes
+    # pageable: the shards, their sharded gradients (the same bytes: all trained) and the optimizer state
+    shards, state = on_device.breakdown["params"], on_device.breakdown["optimizer"]
+    assert unpinned.host_bytes == 2 * shards + state, (unpinned.host_bytes, shards, state)
+    # pinned: each shard and each group's gradient buffer at the pinned allocator's power-of-two size
+    assert unpinned.host_bytes < offloaded.host_bytes < unpinned.host_bytes + 2 * shards
     assert offloaded.breakdown["params"] == 0
     assert 0.85 <= analytic.peak_bytes / offloaded.peak_bytes <= 1.15, (analytic.peak_bytes, offloaded.peak_bytes)
     assert analytic.host_bytes > 0 and any("CPU offload" in note for note in analytic.notes)

@@ -65,10 +65,17 @@ def test_comm_bytes_frozen_weights_nf4_override() -> None:
 def test_comm_bytes_int8_all_gather_and_offload() -> None:
     plan = _plan(Net(), communication={"all_gather": "int8"}, offload={"device": "cpu"})
     sent = comm_bytes(plan, shard=4)
-    # int8: 1 byte an element + one fp32 scale per 256-element block of each chunk
-    assert sent.all_gather_forward == 2 * 4 * ((8 + 4) + (2 + 4)) + 4 * (4 + 4)
+    # int8, as the runtime lays it out: each parameter's chunk padded to whole 256-element blocks of 1-byte
+    # codes (8, 2 and 4 elements -> 256 each), plus one fp32 scale per block
+    assert sent.all_gather_forward == 2 * 4 * ((256 + 4) + (256 + 4)) + 4 * (256 + 4)
     # host: the stored fp32 shard in at each gather (blocks twice), the reduce-scatter output out
     assert sent.host_bytes == 2 * ((32 + 8) * 2 + 160 // 4) + (16 + 64 // 4)
+
+
+def test_comm_bytes_int8_reduce_scatter_encodes_each_groups_row_once() -> None:
+    sent = comm_bytes(_plan(Net(), communication={"reduce_scatter": "int8"}), shard=4)
+    # a block's gradients (8 + 2 rows a rank) go to each rank as one run: 10 -> one 256-element block + scale
+    assert sent.reduce_scatter == 2 * 4 * (256 + 4) + 4 * (256 + 4)
 
 
 def test_world_one_sends_nothing() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -44,11 +45,15 @@ from .common import (
     offloaded_share,
     sharded_nbytes,
 )
+from .finetune import FINETUNES, NF4_BITS, Finetune, as_finetune, planned_factory
 from .simulate import simulate_estimate
 
 __all__ = [
     "BREAKDOWN_KEYS",
     "DEVICES",
+    "FINETUNES",
+    "NF4_BITS",
+    "Finetune",
     "METHODS",
     "OPTIMIZERS",
     "MemoryEstimate",
@@ -73,15 +78,29 @@ def estimate_memory(
     optimizer: str = "adamw",
     method: str = "simulate",
     device: str = "cuda",
+    finetune: Finetune | str | None = None,
 ) -> MemoryEstimate:
     """The peak bytes of one steady-state training step (forward, loss, backward, optimizer step,
     zero_grad) on rank ``rank`` of ``world_size``, sharded as ``config`` says (default: one group per
     repeated block). Token models get (batch, seq) int64 inputs; others need ``inputs``, a function
-    returning one rank's example inputs. No process group may exist: ``simulate`` makes its own."""
+    returning one rank's example inputs. No process group may exist: ``simulate`` makes its own.
+
+    ``finetune``: ``"full"`` (default), ``"lora"``, ``"qlora"`` or a ``Finetune`` (rank, targets): the base
+    frozen in bf16 with LoRA adapters (qlora: adapted weights in NF4), as ``examples/train.py --finetune``
+    trains it. With ``config=None`` a lora/qlora plan is ``finetune_config`` of the default one (bf16
+    compute, each block checkpointed); a config given is used as it is."""
     _check_arguments(model_fn, config, world_size, rank, inputs, batch, seq, optimizer, method, device)
+    plan = as_finetune(finetune)
+    if plan.adapters and config is None:
+        from ..finetune.sharding import finetune_config
+
+        with torch.device("meta"):
+            config = finetune_config(default_config(model_fn()))
+    model_fn = planned_factory(model_fn, plan)
+    args = (model_fn, config, world_size, rank, inputs, batch, seq, optimizer, device)
     if method == "analytic":
-        return analytic_estimate(model_fn, config, world_size, rank, inputs, batch, seq, optimizer, device)
-    return simulate_estimate(model_fn, config, world_size, rank, inputs, batch, seq, optimizer, device)
+        return analytic_estimate(*args, finetune=plan)
+    return simulate_estimate(*args, finetune=plan)
 
 
 def _check_arguments(

@@ -1,11 +1,17 @@
 """``estimate_memory(method="analytic")``: a closed form from the plan, plus one traced forward for activations.
 
 Terms, per rank (bytes):
-    S   the sharded parameters: each group's padded shards in the parameters' dtype (whole for ignored ones)
-    O   optimizer state: AdamW 2 S (+ a step counter per tensor), SGD with momentum S, none 0
-    R   the root group's unsharded parameters (kept between forward and backward), in param_dtype, padded
-        as the all-gather lays them out (shard degree x padded chunk: at large world sizes, mostly padding)
-    B   the largest other group's unsharded parameters, in param_dtype, padded the same way
+    S   the sharded parameters: each group's padded shards as stored (whole for ignored ones); qlora's
+        adapted base weights at NF4's 4.127 bits (``finetune.NF4_BITS``)
+    S_t the shards of the trainable parameters (full: S; lora/qlora: the adapters), = their sharded gradients
+    O   optimizer state of the trainable parameters: AdamW 2 S_t (+ a step counter per tensor), SGD with
+        momentum S_t, none 0
+    R   the root group's unsharded parameters (kept between forward and backward), in param_dtype (NF4
+        weights gathered as NF4), padded as the all-gather lays them out (shard degree x padded chunk: at
+        large world sizes, mostly padding); R_g its trainable parameters' unsharded gradients
+    B   the largest other group's unsharded parameters, padded the same way; B_g its unsharded gradients,
+        B_r the same in reduce_dtype (the reduce-scatter input)
+    D   qlora: the largest NF4 weight dequantized to the compute dtype for its matmul (0 otherwise)
     A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
         counted once), incl. the loss's; with activation checkpointing, traced with it (block inputs)
     A_r with activation checkpointing: one checkpointed module's activations, recomputed in its backward
@@ -13,15 +19,19 @@ Terms, per rank (bytes):
         backward starts with two temporaries of its size
 Candidates for the peak:
     backward, at its start:   S + O + R + A + 2 L
-    backward, in a block:     S + O + R + R + 4 B + A - L (root grads, a block's params, grads, reduce
-                                                           buffer, prefetched all-gather; activations bound)
-    optimizer step:           S + O + S + S               (sharded grads, the foreach temporaries)
-The largest is the estimate; the notes name it and its largest term.
+    backward, in a block:     S + O + R + R_g + 2 B + B_g + B_r + D + A - L + A_r (root params and grads, a
+                              block's params, grads, reduce buffer, prefetched all-gather; activations bound)
+    optimizer step:           S + S_t + O + T (sharded grads, the foreach temporaries)
+Full training has R_g = R and B_g = B. The largest is the estimate; the notes name it and its largest term.
+With CPU offload, the offloaded groups' shards, sharded gradients and optimizer state leave the device
+and are counted as ``host_bytes``: shards and each group's gradient buffer at the pinned allocator's
+power-of-two block sizes (``finetune.pinned_nbytes``), the optimizer state at its size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +50,7 @@ from .common import (
     step_loss,
     token_spec,
 )
+from .finetune import Finetune, PlannedLora, nf4_bytes, pinned_nbytes
 
 
 def analytic_estimate(
@@ -53,9 +64,12 @@ def analytic_estimate(
     optimizer: str,
     device: str,
     cache: dict[Any, Any] | None = None,
+    finetune: Finetune | None = None,
 ) -> MemoryEstimate:
-    """The closed form (module docstring). ``cache``: a dict kept across calls on the same model, batch and
-    sequence (the budget search): the meta model and each activation trace are made once."""
+    """The closed form (module docstring). ``cache``: a dict kept across calls on the same model, batch,
+    sequence and fine-tuning kind (the budget search): the meta model and each activation trace are made
+    once. ``model_fn`` builds the model ``finetune`` trains (``finetune.planned_factory``)."""
+    finetune = finetune or Finetune()
     cache = {} if cache is None else cache
     if "model" not in cache:
         with torch.device("meta"):
@@ -64,22 +78,34 @@ def analytic_estimate(
     config = config or default_config(model)
     _, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
-    sharded, unsharded, reduced = _group_bytes(plan, shard)
+    nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
+    groups = group_bytes(plan, shard, nf4)
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
-    terms = {"S": sum(sharded) + ignored}
-    tensors = sum(len(params) for params in plan.params)
-    terms["O"] = {"adamw": 2 * terms["S"] + 4 * tensors, "sgd": terms["S"], "none": 0}[optimizer]
-    terms["R"] = unsharded[-1]
-    terms["B"] = max(unsharded[:-1], default=0)
-    terms["B_r"] = max(reduced[:-1], default=0)
-    largest = max((sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values()), default=0)
-    terms["T"] = terms["S"] if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
-    offloaded = [cost for cost, group in zip(sharded, plan.groups) if group.policy.offload.device == "cpu"]
-    share = sum(offloaded) / sum(sharded) if sum(sharded) else 0.0
-    terms["G_h"] = int(terms["S"] * share)  # CPU offload: those shards' sharded gradients, on the host
-    host = int((terms["S"] + terms["O"]) * share) + terms["G_h"]  # shards, optimizer state and gradients
-    for key in ("S", "O", "T"):
-        terms[key] = int(terms[key] * (1 - share))  # what stays on the device
+    ignored_trainable = sum(p.numel() * p.element_size() for p in plan.ignored.values() if p.requires_grad)
+    terms = {"S": sum(g.sharded for g in groups) + ignored}
+    trainable = sum(g.trainable for g in groups) + ignored_trainable  # S_t: what has gradients and optimizer state
+    tensors = sum(1 for params in plan.params for p in params.values() if p.requires_grad)
+    terms["O"] = {"adamw": 2 * trainable + 4 * tensors, "sgd": trainable, "none": 0}[optimizer]
+    terms["S_t"] = trainable
+    terms["R"], terms["R_g"] = groups[-1].unsharded, groups[-1].unsharded_grads
+    block = max(groups[:-1], key=lambda g: g.unsharded, default=None)
+    terms["B"] = block.unsharded if block else 0
+    terms["B_g"] = block.unsharded_grads if block else 0
+    terms["B_r"] = max((g.reduced for g in groups[:-1]), default=0)
+    terms["D"] = max((g.dequantized for g in groups), default=0)  # qlora: one NF4 weight dequantized to bf16
+    largest = max(
+        (sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values() if p.requires_grad), default=0
+    )
+    terms["T"] = trainable if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
+    offloaded = [g for g, group in zip(groups, plan.groups) if group.policy.offload.device == "cpu"]
+    share = sum(g.sharded for g in offloaded) / terms["S"] if terms["S"] else 0.0
+    share_t = sum(g.trainable for g in offloaded) / trainable if trainable else 0.0
+    terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
+    optimizer_host = int(terms["O"] * share_t)
+    host = sum(g.pinned for g in offloaded) + optimizer_host  # pinned shards and gradient buffers, pageable state
+    terms["S"] = int(terms["S"] * (1 - share))  # what stays on the device
+    for key in ("O", "T", "S_t"):
+        terms[key] = int(terms[key] * (1 - share_t))
     terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
@@ -93,27 +119,52 @@ def analytic_estimate(
         "terms: " + ", ".join(f"{key} {value:,}" for key, value in terms.items()),
         f"largest term: {max(terms, key=lambda k: terms[k])} ({TERMS[max(terms, key=lambda k: terms[k])]})",
     )
+    if finetune.adapters:
+        notes = (*notes, _finetune_note(finetune, plan, nf4))
     if share:
         notes = (
             *notes,
-            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes)",
+            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes, "
+            "pinned blocks at the pinned allocator's power-of-two sizes)",
         )
     breakdown = _breakdown(name, terms)
     phase = name.split(" ")[0]
-    return MemoryEstimate(world_size, rank, peak, phase, None, breakdown, "analytic", device, notes, host_bytes=host)
+    return MemoryEstimate(
+        world_size, rank, peak, phase, None, breakdown, "analytic", device, notes, host_bytes=host,
+        finetune=finetune.kind,
+    )  # fmt: skip
+
+
+def _finetune_note(finetune: Finetune, plan: Plan, nf4: set[str]) -> str:
+    params = [p for params in plan.params for p in params.values()] + list(plan.ignored.values())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    quantized = f", {sum(p.numel() for n, p in _named(plan) if n in nf4):,} base weights in NF4" if nf4 else ""
+    return (
+        f"{finetune.label()}: {trained:,} of {total:,} parameters trained (fp32 masters, gradients, optimizer "
+        f"state); the frozen base in bf16{quantized}"
+    )
+
+
+def _named(plan: Plan) -> list[tuple[str, torch.Tensor]]:
+    return [item for params in plan.params for item in params.items()]
 
 
 FORMULAS = {
     "backward": "S + O + R + A + 2L",
-    "backward (in a block)": "S + O + 2R + 3B + B_r + A - L + A_r (- G_h with CPU offload)",
-    "optimizer": "2S + O + T",
+    "backward (in a block)": "S + O + R + R_g + 2B + B_g + B_r + D + A - L + A_r (- G_h with CPU offload)",
+    "optimizer": "S + S_t + O + T",
 }
 TERMS = {
     "S": "sharded parameters",
+    "S_t": "sharded trainable parameters (their gradients)",
     "O": "optimizer state",
     "R": "root group unsharded",
+    "R_g": "root group's unsharded gradients",
     "B": "largest block unsharded",
-    "B_r": "largest block in the reduce dtype",
+    "B_g": "largest block's unsharded gradients",
+    "B_r": "largest block's gradients in the reduce dtype",
+    "D": "one NF4 weight dequantized for its matmul",
     "T": "optimizer temporaries",
     "A": "activations",
     "A_r": "one checkpointed module's recomputed activations",
@@ -128,32 +179,59 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
         "backward (in a block)": -t.get("G_h", 0)
         + t["S"]
         + t["O"]
-        + 2 * t["R"]
-        + 3 * t["B"]
+        + t["R"]
+        + t["R_g"]
+        + 2 * t["B"]
+        + t["B_g"]
         + t["B_r"]
+        + t["D"]
         + max(0, t["A"] - t["L"])
         + t["A_r"],
-        "optimizer": 2 * t["S"] + t["O"] + t["T"],
+        "optimizer": t["S"] + t["S_t"] + t["O"] + t["T"],
     }
 
 
-def _group_bytes(plan: Plan, shard: int) -> tuple[list[int], list[int], list[int]]:
-    """Per group: its sharded bytes, its unsharded bytes in param_dtype and its reduce-scatter input bytes
-    in reduce_dtype (both as the all-gather lays them out: padded to equal shards)."""
-    sharded: list[int] = []
-    unsharded: list[int] = []
-    reduced: list[int] = []
+@dataclass(frozen=True)
+class GroupBytes:
+    """One group's bytes on a rank (all padded as the all-gather lays them out)."""
+
+    sharded: int  # its shards as stored (NF4 weights at NF4_BITS)
+    trainable: int  # the shards of its trainable parameters (= their sharded gradients)
+    unsharded: int  # the all-gather's output: every parameter in param_dtype (NF4 weights still NF4)
+    unsharded_grads: int  # the unsharded gradients of its trainable parameters, in param_dtype
+    reduced: int  # the reduce-scatter input: trainable parameters' gradients in reduce_dtype
+    dequantized: int  # its largest NF4 weight in the compute dtype (qlora's transient per matmul)
+    pinned: int  # with CPU offload: its host shards and gradient buffer as the (pinned) allocator sizes them
+
+
+def group_bytes(plan: Plan, shard: int, nf4: set[str] = frozenset()) -> list[GroupBytes]:  # type: ignore[assignment]
+    """Per group, its ``GroupBytes``; ``nf4``: parameter paths stored in NF4 (qlora's adapted base weights)."""
+    out = []
     for group, params in zip(plan.groups, plan.params):
         policy = group.policy.mixed_precision
-        sharded.append(sum(sharded_nbytes(p, shard, plan.shard_dims.get(n, 0)) for n, p in params.items()))
-        dims = [plan.shard_dims.get(n, 0) for n in params]
-        padded = [_padded_numel(p, shard, d) for p, d in zip(params.values(), dims)]  # all-gather layout
-        unsharded.append(
-            sum(n * element_size(cast_dtype(p, policy.param_dtype)) for p, n in zip(params.values(), padded))
-        )
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
-        reduced.append(sum(n * element_size(cast_dtype(p, reduce_dtype)) for p, n in zip(params.values(), padded)))
-    return sharded, unsharded, reduced
+        sharded = trainable = unsharded = grads = reduced = dequantized = pinned = grad_shards = 0
+        pin = pinned_nbytes if group.policy.offload.pin_memory else int  # pageable host memory: exact
+        for name, p in params.items():
+            dim = plan.shard_dims.get(name, 0)
+            padded = _padded_numel(p, shard, dim)  # all-gather layout
+            compute = padded * element_size(cast_dtype(p, policy.param_dtype))
+            if name in nf4:
+                stored, gathered = nf4_bytes(padded // shard), nf4_bytes(padded)
+                dequantized = max(dequantized, p.numel() * element_size(policy.param_dtype or p.dtype))
+            else:
+                stored, gathered = sharded_nbytes(p, shard, dim), compute
+            sharded += stored
+            unsharded += gathered
+            pinned += pin(stored)
+            if p.requires_grad:
+                trainable += stored
+                grad_shards += stored
+                grads += compute
+                reduced += padded * element_size(cast_dtype(p, reduce_dtype))
+        pinned += pin(grad_shards)  # the group's host gradient buffer, one request per step
+        out.append(GroupBytes(sharded, trainable, unsharded, grads, reduced, dequantized, pinned))
+    return out
 
 
 def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:
@@ -178,21 +256,26 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
         return {
             "params": s,
             "unsharded_params": 0,
-            "grads": s,
+            "grads": terms["S_t"],
             "optimizer": o,
             "activations": 0,
             "comm_buffers": terms["T"],
         }
     activations = max(0, a - out)
-    grads = r + b - terms.get("G_h", 0)  # unsharded grads; offloaded sharded grads are on the host
+    grads = terms["R_g"] + terms["B_g"] - terms.get("G_h", 0)  # unsharded grads; offloaded sharded grads on the host
     return {
         "params": s,
-        "unsharded_params": r + 2 * b + min(0, grads),
+        "unsharded_params": r + 2 * b + terms["D"] + min(0, grads),
         "grads": max(0, grads),
         "optimizer": o,
-        "activations": activations,
+        "activations": activations + terms["A_r"],
         "comm_buffers": terms["B_r"],
     }
+
+
+def nf4_paths(model: nn.Module) -> set[str]:
+    """The parameter paths qlora stores in NF4: every planned adapter's base weight."""
+    return {f"{path}.base_layer.weight" for path, m in model.named_modules() if isinstance(m, PlannedLora)}
 
 
 def _trace_activations(

@@ -34,6 +34,7 @@ class MemoryEstimate:
     device: str
     notes: tuple[str, ...] = field(default=())  # analytic: the formula and which term dominates
     host_bytes: int = 0  # with CPU offload: shards, their gradients and optimizer state on the host
+    finetune: str = "full"  # what is trained: full, lora or qlora (estimate.finetune)
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON record (``fsdp2lite estimate --json``)."""
@@ -151,10 +152,11 @@ def make_optimizer(name: str, model: nn.Module, device: str) -> torch.optim.Opti
     """The optimizer as the target device would run it: CUDA defaults to the foreach implementation
     (one temporary per parameter at once), CPU to the per-tensor loop."""
     foreach = device == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]  # a frozen base gets no optimizer state
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, foreach=foreach)
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=foreach)
     return None
 
 

@@ -9,6 +9,12 @@ shape of every argument, under the ambient fake mode. torch 2.11's ``MemTracker`
 this rank's allocations (a foreach AdamW step at world 2 looked 4.5x the optimizer state; Llama-3-8B
 at world 8 3.8x the measured peak); 2.13 does not. ``local_shard_tracker`` stops counting while DTensor
 propagates, on every version, so the estimate counts local shards only.
+
+[Note: qlora simulated]
+torchao's NF4 weights are not run on fake tensors here: qlora is simulated with its adapted base weights
+in bf16 (the runtime, schedule and activations are lora's, which they share), and the plan then counts
+those weights as stored and gathered: the shards at NF4's size, the gathered groups at the peak scaled
+by the plan's NF4/bf16 ratio, plus one weight dequantized to bf16 for its matmul (torchao's transient).
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import FSDPConfig, apply_config
+from ..config import FSDPConfig, Plan, apply_config, plan_config
 from ..mesh import init_mesh
+from .analytic import GroupBytes, group_bytes, nf4_paths
 from .common import (
     MemoryEstimate,
     default_config,
@@ -34,6 +42,7 @@ from .common import (
     step_inputs,
     step_loss,
 )
+from .finetune import Finetune
 
 _SCHEDULE_SETTERS = (
     ("forward_prefetch_depth", "set_forward_prefetch_depth"),
@@ -52,7 +61,11 @@ def simulate_estimate(
     seq: int | None,
     optimizer: str,
     device: str,
+    finetune: Finetune | None = None,
 ) -> MemoryEstimate:
+    """Measured on fake tensors (module docstring). ``model_fn`` builds the model ``finetune`` trains
+    (``finetune.planned_factory``); qlora runs its base in bf16 and ``_planned`` then counts the adapted
+    weights at NF4's size ([Note: qlora simulated])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -62,6 +75,11 @@ def simulate_estimate(
         with fake:
             model = materialized(model_fn())
         config = config or default_config(model)
+        _, shard = config.mesh.resolve(world_size)
+        plan = plan_config(model, config)
+        nf4 = nf4_paths(model) if finetune is not None and finetune.kind == "qlora" else set()
+        groups = group_bytes(plan, shard, nf4)
+        bf16 = group_bytes(plan, shard) if nf4 else groups
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type="cpu")  # not fake
         with fake:
             apply_config(model, config, mesh)
@@ -71,9 +89,46 @@ def simulate_estimate(
             phases = _phases(model, opt, inputs, token_model)
             for run in phases.values():
                 run()  # warm-up: optimizer state exists from here on, as in a steady-state step
-            return _measure(phases, model, opt, world_size, rank, device)
+            estimate = _measure(phases, model, opt, world_size, rank, device)
     finally:
         dist.destroy_process_group()
+    return _planned(estimate, plan, groups, bf16, finetune)
+
+
+def _planned(
+    estimate: MemoryEstimate,
+    plan: Plan,
+    groups: list[GroupBytes],
+    bf16: list[GroupBytes],
+    finetune: Finetune | None,
+) -> MemoryEstimate:
+    """The measured estimate with what the plan knows better: NF4's bytes for qlora ([Note: qlora
+    simulated]) and the host side of CPU offload at the pinned allocator's sizes."""
+    breakdown = dict(estimate.breakdown)
+    offloaded = [index for index, group in enumerate(plan.groups) if group.policy.offload.device == "cpu"]
+    if groups is not bf16:
+        kept = [i for i in range(len(groups)) if i not in offloaded]
+        breakdown["params"] -= sum(bf16[i].sharded - groups[i].sharded for i in kept)
+        if estimate.phase != "optimizer":  # the gathered groups at the peak: as NF4, and one weight dequantized
+            ratio = sum(g.unsharded for g in groups) / max(1, sum(g.unsharded for g in bf16))
+            breakdown["unsharded_params"] = int(breakdown["unsharded_params"] * ratio)
+            breakdown["unsharded_params"] += max(g.dequantized for g in groups)
+    host = 0
+    if offloaded:
+        host = sum(groups[i].pinned for i in offloaded) + estimate.host_bytes  # + the optimizer state moved
+    notes = estimate.notes
+    if finetune is not None and finetune.adapters:
+        notes = (*notes, f"{finetune.label()}: the frozen base has no gradients or optimizer state")
+        if groups is not bf16:
+            notes = (*notes, "qlora: run with a bf16 base, its adapted weights then counted at NF4's 4.127 bits")
+    return replace(
+        estimate,
+        peak_bytes=sum(breakdown.values()),
+        breakdown=breakdown,
+        host_bytes=host,
+        notes=notes,
+        finetune=finetune.kind if finetune is not None else "full",
+    )
 
 
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
@@ -188,7 +243,8 @@ def local_shard_tracker() -> Iterator[Any]:
 
 def _move_offloaded_to_host(model: nn.Module, breakdown: dict[str, int]) -> int:
     """CPU offload: the offloaded groups' shards live on the host, and so do their gradients and
-    optimizer state (in the same proportion); take them out of the device's breakdown."""
+    optimizer state (in the same proportion); take them out of the device's breakdown. Returns the
+    optimizer state moved (``_planned`` adds the shards and gradients at their pinned sizes)."""
     offloaded, share = offloaded_share(model)
     if not offloaded:
         return 0
@@ -197,7 +253,7 @@ def _move_offloaded_to_host(model: nn.Module, breakdown: dict[str, int]) -> int:
     moved["optimizer"] = int(breakdown["optimizer"] * share)
     for key, value in moved.items():
         breakdown[key] -= value
-    return sum(moved.values())
+    return moved["optimizer"]
 
 
 def _total(snapshot: dict[Any, dict[Any, int]]) -> int:

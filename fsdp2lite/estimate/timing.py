@@ -1,6 +1,7 @@
 """How long one training step takes, on a named link and GPU: pure arithmetic, no collectives.
 
-Not yet wired into ``fsdp2lite estimate`` (``--link``/``--gpu`` are issue 31 item 2's next step).
+``fsdp2lite estimate --link NAME --gpu NAME`` reports it for the estimated setting and ranks the budget
+search by it.
 
     sent = comm_bytes(plan, shard=8)                          # what each rank's collectives carry per step
     t = step_time(params=8.03e9, tokens_per_gpu=16384, world_size=8, link="nvlink4", gpu="h100",
@@ -51,6 +52,7 @@ from typing import Literal
 
 import torch
 
+from .._runtime.quantize import encoded_sizes
 from ..config import Plan
 from ..policies import cast_dtype
 from .common import element_size, sharded_nbytes
@@ -204,7 +206,7 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
             continue
         policy = group.policy
         mp, wire = policy.mixed_precision, policy.communication
-        gather = scatter = stored = 0
+        gather = scatter = stored = reduce_rows = 0
         for name, param in params.items():
             padded_shard = sharded_nbytes(param, shard, plan.shard_dims.get(name, 0))
             rows = padded_shard // param.element_size()
@@ -214,8 +216,11 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
                                wire.block_size)  # fmt: skip
             if param.requires_grad:
                 reduce_dtype = cast_dtype(param, mp.reduce_dtype or mp.param_dtype)
-                encoding = "int8" if wire.reduce_scatter == "int8" else None
-                scatter += _encoded(rows, shard, None, reduce_dtype, encoding, wire.block_size)
+                reduce_rows += rows
+                if wire.reduce_scatter != "int8":
+                    scatter += _encoded(rows, shard, None, reduce_dtype, None, wire.block_size)
+        if wire.reduce_scatter == "int8" and reduce_rows:  # the group's row to each rank, encoded as one run
+            scatter = _encoded(reduce_rows, shard, None, torch.float32, "int8", wire.block_size)
         regather = _reshards(policy.reshard_after_forward, root=index == last) and policy.unshard_in_backward
         forward += gather
         backward += gather if regather else 0
@@ -230,12 +235,13 @@ def _encoded(
     rows: int, shard: int, bytes_per_weight: float | None, dtype: torch.dtype, encoding: str | None, block: int
 ) -> int:
     """Bytes of one parameter's slot in a collective buffer: ``shard`` chunks of ``rows`` elements (its padded
-    shard), at ``bytes_per_weight``, or quantized (1 byte each + a 4-byte fp32 scale per ``block``), or in
-    ``dtype``."""
+    shard), at ``bytes_per_weight``, or quantized as the runtime lays it out (``_runtime.quantize.encoded_sizes``:
+    the rows padded to whole ``block``s of 1-byte codes, plus a 4-byte fp32 scale per block), or in ``dtype``."""
     if bytes_per_weight is not None:
         return shard * math.ceil(rows * bytes_per_weight)
     if encoding is not None:
-        return shard * (rows + 4 * math.ceil(rows / block))
+        codes, scales = encoded_sizes(rows, block)
+        return shard * (codes + 4 * scales)
     return shard * rows * element_size(dtype)
 
 
