@@ -35,6 +35,8 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())  # analytic: the formula and which term dominates
     host_bytes: int = 0  # with CPU offload: shards, their gradients and optimizer state on the host
     finetune: str = "full"  # what is trained: full, lora or qlora (estimate.finetune)
+    reserved_bytes: int = 0  # target cuda: what the caching allocator reserves at the peak (estimate.reserved)
+    reserved_expandable_bytes: int = 0  # the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON record (``fsdp2lite estimate --json``)."""

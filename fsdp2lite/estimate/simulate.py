@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..config import FSDPConfig, Plan, apply_config, plan_config
 from ..mesh import init_mesh
+from .allocator import AllocatorPeak
 from .analytic import GroupBytes, group_bytes, nf4_paths
 from .common import (
     MemoryEstimate,
@@ -43,6 +44,7 @@ from .common import (
     step_loss,
 )
 from .finetune import Finetune
+from .reserved import AllocationRecorder, from_replay, streams_tagged
 
 _SCHEDULE_SETTERS = (
     ("forward_prefetch_depth", "set_forward_prefetch_depth"),
@@ -89,10 +91,15 @@ def simulate_estimate(
             phases = _phases(model, opt, inputs, token_model)
             for run in phases.values():
                 run()  # warm-up: optimizer state exists from here on, as in a steady-state step
-            estimate = _measure(phases, model, opt, world_size, rank, device)
+            estimate, replays = _measure(phases, model, opt, world_size, rank, device)
     finally:
         dist.destroy_process_group()
-    return _planned(estimate, plan, groups, bf16, finetune)
+    estimate = _planned(estimate, plan, groups, bf16, finetune)
+    if replays is None:
+        return estimate
+    reserved = from_replay(estimate.peak_bytes, *replays)
+    fields = {"reserved_bytes": reserved.reserved_bytes, "reserved_expandable_bytes": reserved.expandable_bytes}
+    return replace(estimate, **fields)
 
 
 def _planned(
@@ -175,14 +182,19 @@ def _measure(
     world_size: int,
     rank: int,
     device: str,
-) -> MemoryEstimate:
+) -> tuple[MemoryEstimate, tuple[AllocatorPeak, AllocatorPeak] | None]:
+    """The measured step's estimate and, for CUDA, its allocations replayed through the caching
+    allocator's model (default, expandable segments)."""
     gc.collect()
     peak_after: dict[str, int] = {}  # the running peak after each phase: the first to reach the end's is it
-    with local_shard_tracker() as tracker:
+    recorder = AllocationRecorder()
+    with local_shard_tracker() as tracker, streams_tagged(recorder):
+        tracker.recorder = recorder
         tracker.track_external(model, *([opt] if opt is not None else []))
         for name, run in phases.items():
             run()
             peak_after[name] = _total(tracker.get_tracker_snapshot("peak"))
+        tracker.recorder = None
     snapshot = tracker.get_tracker_snapshot("peak")
     categories = {
         str(getattr(k, "value", k)): v
@@ -205,7 +217,9 @@ def _measure(
     group = _peak_group(tracker, model, total) if phase != "optimizer" else None
     host = _move_offloaded_to_host(model, breakdown)
     peak = sum(breakdown.values())
-    return MemoryEstimate(world_size, rank, peak, phase, group, breakdown, "simulate", device, host_bytes=host)
+    replays = recorder.replay() if device == "cuda" else None  # the caching allocator is CUDA's
+    estimate = MemoryEstimate(world_size, rank, peak, phase, group, breakdown, "simulate", device, host_bytes=host)
+    return estimate, replays
 
 
 @contextmanager
@@ -217,6 +231,19 @@ def local_shard_tracker() -> Iterator[Any]:
 
     class LocalShardTracker(MemTracker):
         propagating: int = 0  # > 0 while DTensor propagates shapes: nothing allocated then is this rank's
+        recorder: AllocationRecorder | None = None  # fed every storage the tracker adds, frees or resizes
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # type: ignore[no-untyped-def]
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            if self.recorder is None or winfo.device.type == "meta":
+                return
+            kind = u_type.name
+            if kind == "ADD":
+                self.recorder.added(winfo, winfo.mem_consumed)
+            elif kind == "DEL":
+                self.recorder.deleted(winfo)
+            elif kind == "SIZE":
+                self.recorder.resized(winfo, winfo.mem_consumed)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if self.propagating:
