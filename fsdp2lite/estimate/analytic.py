@@ -51,6 +51,7 @@ from .common import (
     token_spec,
 )
 from .finetune import Finetune, PlannedLora, nf4_bytes, pinned_nbytes
+from .reserved import from_ratio
 
 
 def analytic_estimate(
@@ -79,6 +80,44 @@ def analytic_estimate(
     _, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
     nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
+    terms, host, share = _memory_terms(plan, shard, nf4, optimizer, device)
+    terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
+    checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
+    terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
+    if checkpointed:
+        full = terms["A"]
+        terms["A"], _ = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
+        terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
+    name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
+    largest = max(terms, key=lambda k: terms[k])
+    notes: tuple[str, ...] = (
+        f"peak = {name}: {FORMULAS[name]}",
+        "terms: " + ", ".join(f"{key} {value:,}" for key, value in terms.items()),
+        f"largest term: {largest} ({TERMS[largest]})",
+    )
+    if finetune.adapters:
+        notes = (*notes, _finetune_note(finetune, plan, nf4))
+    if share:
+        notes = (
+            *notes,
+            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes, "
+            "pinned blocks at the pinned allocator's power-of-two sizes)",
+        )
+    phase = name.split(" ")[0]
+    reserved = from_ratio(peak, phase) if device == "cuda" else None
+    if reserved is not None:
+        notes = (*notes, f"reserved: {reserved.ratio:.2f} x the peak (a rough ratio; simulate replays the step)")
+    return MemoryEstimate(
+        world_size, rank, peak, phase, None, _breakdown(name, terms), "analytic", device, notes, host_bytes=host,
+        finetune=finetune.kind, reserved_bytes=reserved.reserved_bytes if reserved else 0,
+        reserved_expandable_bytes=reserved.expandable_bytes if reserved else 0,
+    )  # fmt: skip
+
+
+def _memory_terms(
+    plan: Plan, shard: int, nf4: set[str], optimizer: str, device: str
+) -> tuple[dict[str, int], int, float]:
+    """(the terms but activations, host bytes with CPU offload, the offloaded share of the shards)."""
     groups = group_bytes(plan, shard, nf4)
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     ignored_trainable = sum(p.numel() * p.element_size() for p in plan.ignored.values() if p.requires_grad)
@@ -101,38 +140,11 @@ def analytic_estimate(
     share = sum(g.sharded for g in offloaded) / terms["S"] if terms["S"] else 0.0
     share_t = sum(g.trainable for g in offloaded) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
-    optimizer_host = int(terms["O"] * share_t)
-    host = sum(g.pinned for g in offloaded) + optimizer_host  # pinned shards and gradient buffers, pageable state
+    host = sum(g.pinned for g in offloaded) + int(terms["O"] * share_t)  # pinned shards and grads, pageable state
     terms["S"] = int(terms["S"] * (1 - share))  # what stays on the device
     for key in ("O", "T", "S_t"):
         terms[key] = int(terms[key] * (1 - share_t))
-    terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
-    checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
-    terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
-    if checkpointed:
-        full = terms["A"]
-        terms["A"], _ = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, tuple(checkpointed))
-        terms["A_r"] = max(0, full - terms["A"]) // len(checkpointed)
-    name, peak = max(_candidates(terms).items(), key=lambda item: item[1])
-    notes: tuple[str, ...] = (
-        f"peak = {name}: {FORMULAS[name]}",
-        "terms: " + ", ".join(f"{key} {value:,}" for key, value in terms.items()),
-        f"largest term: {max(terms, key=lambda k: terms[k])} ({TERMS[max(terms, key=lambda k: terms[k])]})",
-    )
-    if finetune.adapters:
-        notes = (*notes, _finetune_note(finetune, plan, nf4))
-    if share:
-        notes = (
-            *notes,
-            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes, "
-            "pinned blocks at the pinned allocator's power-of-two sizes)",
-        )
-    breakdown = _breakdown(name, terms)
-    phase = name.split(" ")[0]
-    return MemoryEstimate(
-        world_size, rank, peak, phase, None, breakdown, "analytic", device, notes, host_bytes=host,
-        finetune=finetune.kind,
-    )  # fmt: skip
+    return terms, host, share
 
 
 def _finetune_note(finetune: Finetune, plan: Plan, nf4: set[str]) -> str:
@@ -291,15 +303,34 @@ def _trace_activations(
     tensors in the compute dtype (the config's top-level param_dtype, if any); traced once per compute
     dtype and checkpointed set in ``cache``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     dtype = config.mixed_precision.param_dtype
     memo = ("trace", dtype, checkpointed)
     if memo in cache:
         return cache[memo]
-    seen: set[Any] = set()
+    with FakeTensorMode():
+        model = materialized(model_fn())
+        if dtype is not None:  # the compute dtype: what the unsharded parameters and activations are in
+            for module in model.modules():
+                for name, param in module._parameters.items():
+                    if param is not None and param.is_floating_point():
+                        module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+        for path in checkpointed:
+            checkpoint_forward(model.get_submodule(path))
+        inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
+        saved, output_bytes = _layerwise(model, lambda: _saved_bytes(model, inputs, token_model, dtype))
+    cache[memo] = (saved, output_bytes)
+    return saved, output_bytes
+
+
+def _saved_bytes(
+    model: nn.Module, inputs: tuple[Any, ...], token_model: bool, dtype: torch.dtype | None
+) -> tuple[int, int]:
+    """(bytes autograd saves in one forward and loss of ``model``, bytes of its output), each storage once."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}  # not activations
     saved = 0
-    output_bytes = 0
     by_numel: dict[int, int] = {}  # numel -> the largest saved storage of that many elements
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,29 +343,42 @@ def _trace_activations(
             by_numel[tensor.numel()] = max(by_numel.get(tensor.numel(), 0), nbytes)
         return tensor
 
-    with FakeTensorMode():
-        model = materialized(model_fn())
-        if dtype is not None:  # the compute dtype: what the unsharded parameters and activations are in
-            for module in model.modules():
-                for name, param in module._parameters.items():
-                    if param is not None and param.is_floating_point():
-                        module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
-        seen.update(StorageWeakRef(p.untyped_storage()) for p in model.parameters())  # not activations
-        for path in checkpointed:
-            checkpoint_forward(model.get_submodule(path))
-        inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if token_model:  # the loss runs the forward: the output is (batch, seq, vocab) logits
-                step_loss(model, inputs, token_model)
-                element = element_size(dtype) if dtype is not None else 4
-                vocab = token_spec(model)[0]  # type: ignore[index]
-                logits = inputs[0].numel() * vocab
-                # a loss that upcasts the logits (Hugging Face's: fp32) saves them at that size, and the
-                # backward's first temporaries (the gradients of loss and logits) are of that size too
-                output_bytes = max(logits * element, by_numel.get(logits, 0))
-            else:
-                output = model(*inputs)
-                first = first_floating(output)
-                output_bytes = first.numel() * first.element_size()
-    cache[memo] = (saved, output_bytes)
-    return saved, output_bytes
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if token_model:  # the loss runs the forward: the output is (batch, seq, vocab) logits
+            step_loss(model, inputs, token_model)
+            element = element_size(dtype) if dtype is not None else 4
+            vocab = token_spec(model)[0]  # type: ignore[index]
+            logits = inputs[0].numel() * vocab
+            # a loss that upcasts the logits (Hugging Face's: fp32) saves them at that size, and the
+            # backward's first temporaries (the gradients of loss and logits) are of that size too
+            return saved, max(logits * element, by_numel.get(logits, 0))
+        output = model(*inputs)
+        first = first_floating(output)
+        return saved, first.numel() * first.element_size()
+
+
+def _layerwise(model: nn.Module, trace: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    """``trace()`` of ``model``, from its first one and two repeated blocks: a model whose largest
+    ``ModuleList`` holds n >= 3 blocks of one class is traced with that list cut to 1 and to 2 blocks,
+    and saves ``A(1) + (n - 1) (A(2) - A(1))`` (the blocks are alike: exact, and an 80-layer model traces
+    in the time of 2). A model whose forward needs all its blocks is traced whole."""
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.ModuleList) and len(child) >= 3 and len({type(m) for m in child}) == 1
+    ]
+    if not found:
+        return trace()
+    parent, name, blocks = max(found, key=lambda item: sum(p.numel() for p in item[2].parameters()))
+    try:
+        setattr(parent, name, nn.ModuleList(blocks[:1]))
+        one, output = trace()
+        setattr(parent, name, nn.ModuleList(blocks[:2]))
+        two, _ = trace()
+    except Exception:  # noqa: BLE001 - any model code may refuse fewer blocks: then the whole model
+        setattr(parent, name, blocks)
+        return trace()
+    finally:
+        setattr(parent, name, blocks)
+    return one + (len(blocks) - 1) * (two - one), output

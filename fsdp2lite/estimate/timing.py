@@ -33,7 +33,8 @@ GPU peaks are the vendors' dense (no sparsity) BF16 tensor-core figures with FP3
 Achievable fraction (MFU) of that peak:
     h100, h200  0.40   Llama 3 paper (Dubey et al. 2024, table 4): 38-43% BF16 MFU on 8K-16K H100s
     a100        0.50   Narayanan et al. 2021 (Megatron-LM): 52% of peak on 3,072 A100s
-    rtx4090     0.40   no large published training run; assumed as the H100's (unvalidated)
+    rtx4090     0.60   Answer.AI's Llama-2-7B QLoRA on 2 x 4090 (FSDP, batch 10 x 2048, 466 s for 1,024
+                       samples): 101 TFLOP/s a GPU, 61% (docs/estimate.md shows the arithmetic)
 Link bandwidths are what NCCL's bus bandwidth reaches, not the signalling rate:
     pcie4    25 GB/s   x16 is 31.5 GB/s per direction; ~80% after protocol overhead
     pcie5    50 GB/s   x16 is 63 GB/s per direction
@@ -46,16 +47,20 @@ The per-collective latencies are rough (tens of microseconds); they matter only 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn as nn
 
 from .._runtime.quantize import encoded_sizes
 from ..config import Plan
 from ..policies import cast_dtype
 from .common import element_size, sharded_nbytes
+from .finetune import NF4_BITS
+
+NF4_BYTES = NF4_BITS / 8  # bytes per weight of an NF4 tensor
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ LINKS: dict[str, Link] = {
     "eth100": Link(12.0, 50.0),
 }
 GPUS: dict[str, Gpu] = {
-    "rtx4090": Gpu(165.2, 0.40),
+    "rtx4090": Gpu(165.2, 0.60),
     "a100": Gpu(312.0, 0.50),
     "h100": Gpu(989.0, 0.40),
     "h200": Gpu(989.0, 0.40),
@@ -126,15 +131,19 @@ class StepTime:
     tokens_per_s: float  # world_size * tokens_per_gpu / step_s
 
 
-def find_link(name: str) -> Link:
-    """The table's link ``name``; ValueError naming the valid ones."""
+def find_link(name: str | Link) -> Link:
+    """The table's link ``name`` (a ``Link`` as it is); ValueError naming the valid ones."""
+    if isinstance(name, Link):
+        return name
     if name not in LINKS:
         raise ValueError(f"unknown link {name!r}; valid links: {', '.join(LINKS)}")
     return LINKS[name]
 
 
-def find_gpu(name: str) -> Gpu:
-    """The table's GPU ``name``; ValueError naming the valid ones."""
+def find_gpu(name: str | Gpu) -> Gpu:
+    """The table's GPU ``name`` (a ``Gpu`` as it is); ValueError naming the valid ones."""
+    if isinstance(name, Gpu):
+        return name
     if name not in GPUS:
         raise ValueError(f"unknown gpu {name!r}; valid gpus: {', '.join(GPUS)}")
     return GPUS[name]
@@ -163,14 +172,14 @@ def step_time(
     params: float,
     tokens_per_gpu: int,
     world_size: int,
-    link: str,
-    gpu: str,
+    link: str | Link,
+    gpu: str | Gpu,
     comm: CommBytes | None = None,
     finetune: Finetune = "full",
     trainable_params: float = 0.0,
     checkpointing: bool = False,
     attention_flops_per_token: float = 0.0,
-    host_link: str = "pcie4",
+    host_link: str | Link = "pcie4",
     overlap: float = 0.9,
 ) -> StepTime:
     """One step's time (module docstring). ``trainable_params``: the adapters for lora/qlora (full
@@ -252,3 +261,49 @@ def _reshards(value: bool | int | str, root: bool) -> bool:
     if value == "auto":
         return not root
     return value is not False
+
+
+def model_shape(model: nn.Module) -> tuple[int, int]:
+    """(layers, hidden size) of a Hugging Face model (``num_hidden_layers``, ``hidden_size``) or fsdp2lite's
+    GPT (``n_layers``, ``d_model``), for the attention term; (0, 0) for other models (no attention term)."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    for layers, hidden in (("num_hidden_layers", "hidden_size"), ("n_layers", "d_model")):
+        values = getattr(config, layers, None), getattr(config, hidden, None)
+        if all(isinstance(v, int) for v in values):
+            return values  # type: ignore[return-value]
+    return 0, 0
+
+
+def plan_step_time(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    shard: int,
+    world_size: int,
+    tokens_per_gpu: int,
+    seq: int,
+    link: str | Link,
+    gpu: str | Gpu,
+    finetune: Finetune = "full",
+    nf4: Collection[str] = (),
+) -> StepTime:
+    """``step_time`` of a planned model: its parameters and trainable ones counted from the plan, the
+    attention term from its shape (``model_shape``), checkpointing from the groups' policies, and the
+    bytes its collectives carry (``comm_bytes``; ``nf4``: parameter paths sent as NF4)."""
+    params = [p for group in plan.params for p in group.values()] + list(plan.ignored.values())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    checkpointing = any(group.policy.activation_checkpointing for group in plan.groups)
+    layers, hidden = model_shape(model)
+    sent = comm_bytes(plan, shard, {name: NF4_BYTES for name in nf4})
+    return step_time(
+        params=float(sum(p.numel() for p in params)),
+        tokens_per_gpu=tokens_per_gpu,
+        world_size=world_size,
+        link=link,
+        gpu=gpu,
+        comm=sent,
+        finetune=finetune,
+        trainable_params=float(trainable),
+        checkpointing=checkpointing,
+        attention_flops_per_token=attention_flops(layers, hidden, seq),
+    )
