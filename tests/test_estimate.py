@@ -243,7 +243,14 @@ def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--budget", "lots"], r"expected a size like 80GiB"),
+        (["--budget", "lots"], r"expected a size: .*e\.g\. 256GiB"),
+        (["--host-ram", "a lot", "--budget", "1GiB"], r"argument --host-ram: expected a size"),
+        (["--link", "pcie9"], r"unknown link 'pcie9'; valid links: pcie4, pcie5, nvlink4, ib200, eth100"),
+        (["--gpu", "tpu"], r"unknown gpu 'tpu'; valid gpus: rtx4090, a100, h100, h200"),
+        (
+            ["--finetune", "lora"],
+            r"lora targets q_proj, .* match no Linear layer of GPT; its Linear layers are named: ",
+        ),
         (["--write-config", "x.yaml"], r"--write-config needs --budget"),
         (["--rank", "9"], r"--rank: must be < --world-size \(8\)"),
         (["--method", "guess"], r"invalid choice: 'guess'"),

@@ -59,7 +59,14 @@ def test_budget_shows_the_nearest_settings_and_host_memory(llama_dir: Path, caps
     out = capsys.readouterr().out
     record = json.loads(out.strip().splitlines()[-1])
     tried = record["budget"]["tried"]
-    assert "nearest alternatives (48 tried; --all shows them)" in out and "host/node (4)" in out
+    # no --finetune: full, lora and qlora x activation checkpointing x CPU offload
+    flat = " ".join(out.split())
+    assert "nearest alternatives (12 tried; --all)" in flat and "host/node" in flat
+    assert {row["finetune"] for row in tried} == {"full", "lora", "qlora"} and len(tried) == 12
+    assert record["finetune"] == record["budget"]["choice"]["finetune"]
+    assert record["tokens_per_s"] >= 0.999 * max(row["tokens_per_s"] for row in tried if row["fits"])
+    for row in tried:  # the per-machine figure is the rank's times the ranks on a machine
+        assert row["host_bytes_per_machine"] == 4 * row["host_bytes"]
     offloaded = [row for row in tried if row["offload"]]
     assert offloaded and all(row["host_bytes"] > 0 for row in offloaded)
     assert all(row["host_bytes"] == 0 for row in tried if not row["offload"])
@@ -67,14 +74,15 @@ def test_budget_shows_the_nearest_settings_and_host_memory(llama_dir: Path, caps
     assert "every setting tried" in capsys.readouterr().out
 
 
-def test_nearest_rows_keep_the_choice_and_the_cheaper_misses() -> None:
+def test_nearest_rows_keep_the_choice_and_the_faster_misses() -> None:
     rows = [
-        {"comm_bytes": c, "offload": False, "activation_checkpointing": False, "peak_bytes": p, "fits": f}
-        for c, p, f in [(1, 90, False), (2, 80, False), (3, 50, True), (4, 40, True), (5, 30, True), (6, 20, True)]
-    ]
+        {"tokens_per_s": t, "offload": False, "reserved_bytes": p, "fits": f}
+        for t, p, f in [(900, 90, False), (800, 80, False), (700, 50, True), (600, 40, True), (500, 30, True),
+                        (400, 20, True)]
+    ]  # fmt: skip
     near = nearest_rows(rows, rows[2])
     assert near[0] is rows[0] and rows[2] in near and rows[1] in near and len(near) == 5
-    assert nearest_rows(rows, None)[0] is rows[5]  # nothing fits: the smallest peaks first
+    assert nearest_rows(rows, None)[0] is rows[5]  # nothing fits: the smallest reserved peaks first
 
 
 def test_presets_are_the_published_shapes() -> None:

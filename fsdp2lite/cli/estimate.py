@@ -178,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     factory = load_factory(args.model, prog=prog)
     model = build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
-    if finetune.adapters or args.finetune is None and args.budget is not None:
+    search_finetune = args.finetune is None and args.budget is not None
+    if finetune.adapters:
         _check_targets(factory, finetune, args.model)
+    elif search_finetune and _check_targets(factory, finetune, args.model, strict=False) is not None:
+        search_finetune = False  # nothing to adapt: only full training is searched
+        console.print(f"{args.model} has none of the LoRA targets ({args.lora_targets}): only full training searched")
     inputs = load_factory(args.inputs) if args.inputs else None
     loaded, config = _load_config(args, console)
     if not loaded:
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     base = config or default_config(model)
     if args.budget is not None:
         job = SearchJob(
-            factory, args.model, common, finetune, args.finetune is None, link, gpu, per_node, args.host_ram
+            factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram
         )  # fmt: skip
         return _run_search(args, console, job, base, hardware, model)
     method = args.method or "simulate"
@@ -227,9 +231,9 @@ def _planned_meta(factory: Any, finetune: Finetune) -> Any:
         return planned_factory(factory, finetune)()
 
 
-def _check_targets(factory: Any, finetune: Finetune, spec: str) -> None:
-    """``--finetune lora|qlora`` (or a search that tries them) on a model without the target Linear
-    layers: a usage error naming the layers it has."""
+def _check_targets(factory: Any, finetune: Finetune, spec: str, strict: bool = True) -> str | None:
+    """Why LoRA's targets cannot be planned on the model (None if they can); ``strict``: a usage error
+    naming the Linear layers it has instead (``--finetune lora|qlora`` given)."""
     import torch
 
     with torch.device("meta"):
@@ -237,7 +241,10 @@ def _check_targets(factory: Any, finetune: Finetune, spec: str) -> None:
     try:
         plan_model(model, Finetune("lora", finetune.rank, finetune.targets))
     except ValueError as exc:
-        raise UsageError(f"cannot plan {spec}: {exc}", prog="fsdp2lite estimate") from None
+        if strict:
+            raise UsageError(f"cannot plan {spec}: {exc}", prog="fsdp2lite estimate") from None
+        return str(exc)
+    return None
 
 
 def _run_search(

@@ -222,6 +222,16 @@ def _measure(
     return estimate, replays
 
 
+class _NoHook:
+    """A hook handle for a parameter that gets no hook (frozen)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 @contextmanager
 def local_shard_tracker() -> Iterator[Any]:
     """torch's ``MemTracker``, entered, counting only what the ops on local shards allocate
@@ -232,6 +242,14 @@ def local_shard_tracker() -> Iterator[Any]:
     class LocalShardTracker(MemTracker):
         propagating: int = 0  # > 0 while DTensor propagates shapes: nothing allocated then is this rank's
         recorder: AllocationRecorder | None = None  # fed every storage the tracker adds, frees or resizes
+
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
+            # torch's tracker hooks every parameter's gradient, and a frozen one (a fine-tuned base) refuses
+            # hooks: mark those as hooked already, with handles that remove nothing
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # type: ignore[no-untyped-def]
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
