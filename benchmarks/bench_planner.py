@@ -3,7 +3,9 @@
 What: ``simulate`` and ``analytic`` estimates of one rank's peak for the two jobs measured on one H100
 (torch 2.11, fake world 8, configs/hf_causal_lm.yaml; ../shared/evidence/gpu-2026-11-24/planner-h100.jsonl):
 Llama-3.2-1B at batch 4 x 2048 and Llama-3-8B at batch 1 x 2048, each as a ratio to the measured peak.
-Target (issue 29): within 10% on every supported torch. Run it once per virtual environment.
+Target (issue 29): within 10% on every supported torch. Run it once per virtual environment. The same
+runs' ``max_memory_reserved`` checks the reserved figure (issue 31: simulate replays its step through a
+model of the caching allocator; analytic applies a rough ratio).
 
 Why: the planner's error is what a user's "will it fit" depends on; torch 2.11's MemTracker once made
 it 3.8x ([Note: local shards] in fsdp2lite/estimate/simulate.py).
@@ -28,6 +30,8 @@ from fsdp2lite.cli._hf_models import hf_factory
 
 # model -> (batch, bytes max_memory_allocated measured on the H100)
 MEASURED = {"llama-3.2-1b": (4, 29_454_950_400), "llama-3-8b": (1, 30_596_345_856)}
+# model -> bytes max_memory_reserved measured in the same runs
+RESERVED = {"llama-3.2-1b": 31_115_444_224, "llama-3-8b": 38_501_613_568}
 
 
 def main() -> None:
@@ -62,6 +66,10 @@ def main() -> None:
                     "estimate_bytes": estimate.peak_bytes,
                     "measured_bytes": measured,
                     "ratio": round(estimate.peak_bytes / measured, 4),
+                    "reserved_estimate_bytes": estimate.reserved_bytes,
+                    "reserved_measured_bytes": RESERVED[model],
+                    "reserved_ratio": round(estimate.reserved_bytes / RESERVED[model], 4),
+                    "expandable_estimate_bytes": estimate.reserved_expandable_bytes,
                     "phase": estimate.phase,
                     "seconds": round(time.perf_counter() - begin, 1),
                 }
@@ -69,7 +77,17 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     record = {"environment": environment(started), "rows": rows}
     table = markdown_table(
-        ("model", "method", "estimate GB", "measured GB (H100)", "ratio", "seconds"),
+        (
+            "model",
+            "method",
+            "estimate GB",
+            "measured GB (H100)",
+            "ratio",
+            "reserved est. GB",
+            "reserved (H100)",
+            "ratio",
+            "seconds",
+        ),  # fmt: skip
         [
             [
                 r["model"],
@@ -77,6 +95,9 @@ def main() -> None:
                 f"{r['estimate_bytes'] / 1e9:.2f}",
                 f"{r['measured_bytes'] / 1e9:.2f}",
                 f"{r['ratio']:.3f}",
+                f"{r['reserved_estimate_bytes'] / 1e9:.2f}",
+                f"{r['reserved_measured_bytes'] / 1e9:.2f}",
+                f"{r['reserved_ratio']:.3f}",
                 str(r["seconds"]),
             ]
             for r in rows

@@ -33,6 +33,7 @@ from ._args import UsageError, non_negative_int, positive_int
 from .estimate_search import (
     SearchJob,
     communication_bytes,
+    config_for_setting,
     nearest_rows,
     search_budget,
     search_table,
@@ -262,7 +263,16 @@ def _run_search(
             print(json.dumps(record))
         return 1
     console.print(recommendation(choice, hardware, args.world_size))
+    if choice["reserved_bytes"] >= choice["reserved_expandable_bytes"] * 1.05:
+        grown = human_bytes(choice["reserved_expandable_bytes"])
+        console.print(f"  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: about {grown} reserved instead")
     record["budget"]["choice"] = choice
+    if args.method == "simulate":  # asked for: the choice measured on the real runtime too
+        finetune = Finetune(choice["finetune"], job.finetune.rank, job.finetune.targets)
+        checked = _estimate(job.factory, config_for_setting(base, choice), {**job.common, "method": "simulate"},
+                            args.model, finetune)  # fmt: skip
+        console.print(estimate_table(f"the choice, simulated ({args.model})", checked))
+        record["budget"]["simulated"] = checked.to_json()
     record.update({key: choice[key] for key in ("finetune", "peak_bytes", "reserved_bytes", "host_bytes_per_machine",
                                                 "tokens_per_s", "step_s")})  # fmt: skip
     if args.write_config:

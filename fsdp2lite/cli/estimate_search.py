@@ -89,7 +89,7 @@ def search_budget(
     tried = []
     for values in itertools.product(*space.values()):
         settings = {**FIXED, **dict(zip(space, values))}
-        tried.append(evaluate(job, _with_settings(base, settings), settings, budget, caches))
+        tried.append(evaluate(job, config_for_setting(base, settings), settings, budget, caches))
     fitting = [row for row in tried if row["fits"]]
     choice = min(fitting, key=_order) if fitting else None
     return choice, tried
@@ -115,6 +115,7 @@ def evaluate(
         **settings,
         "peak_bytes": estimate.peak_bytes,
         "reserved_bytes": reserved,
+        "reserved_expandable_bytes": estimate.reserved_expandable_bytes or reserved,
         "host_bytes": estimate.host_bytes,
         "host_bytes_per_machine": host,
         "comm_bytes": communication_bytes(model, config, job.common["world_size"]),
@@ -146,7 +147,7 @@ def tokens_per_sequence(model: Any, seq: int | None) -> int:
     return min(spec[1], 2048) if hf else spec[1]
 
 
-def _with_settings(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
+def config_for_setting(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
     data = base.model_dump(mode="json", by_alias=True)
     data["mixed_precision"] = (
         {"param_dtype": "bf16", "reduce_dtype": "fp32"}
@@ -244,7 +245,7 @@ def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any
 
 def write_config(path: str, base: FSDPConfig, choice: dict[str, Any]) -> None:
     """The chosen setting as a policy file (read back to check it)."""
-    config = _with_settings(base, choice)
+    config = config_for_setting(base, choice)
     text = (
         f"# written by fsdp2lite estimate: {choice['finetune']}, {choice['reserved_bytes']:,} bytes reserved at the "
         f"peak, about {choice['tokens_per_s']:,.0f} tokens/s\n" + config.to_yaml()
