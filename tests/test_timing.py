@@ -142,3 +142,17 @@ def test_bf16_params_stored_as_bf16_count_their_own_bytes() -> None:
     net = Net().to(torch.bfloat16)
     sent = comm_bytes(_plan(net, mixed_precision={}), shard=4)
     assert sent.reduce_scatter == 2 * 80 + 32  # no reduce_dtype: gradients reduce in the params' bf16
+
+
+def test_the_model_is_within_25_percent_of_the_published_runs() -> None:
+    """torchtitan's Llama-3.1-8B on 8 x H100 and Answer.AI's Llama-2-70B QLoRA on 2 x 4090 (estimate.published:
+    the sources and jobs; docs/estimate.md shows the arithmetic). Planned on the meta device: arithmetic only."""
+    pytest.importorskip("transformers", reason="the published models are built from transformers' Llama")
+    from fsdp2lite.estimate.published import CALIBRATION, PUBLISHED, check
+
+    ratios = {name: check(point).ratio for name, point in PUBLISHED.items()}
+    assert all(0.75 <= ratio <= 1.25 for ratio in ratios.values()), ratios
+    qlora = check(PUBLISHED["answerai-llama2-70b-qlora-2x4090"])
+    assert qlora.trainable == 555_745_280  # rank 64 on q, k, v, up, down of 80 layers (the docs' arithmetic)
+    assert qlora.time.h2d_s > 0 and qlora.time.exposed_comm_s == 0  # offload's copies, hidden under compute
+    assert 0.9 <= check(CALIBRATION).ratio <= 1.1  # the run the 4090's MFU was read from
