@@ -21,6 +21,9 @@ OLDEST_TORCH = (
     "test_checkpoint_safety.py",
     "test_cli.py",
     "test_estimate.py",
+    "test_estimate_finetune.py",
+    "test_allocator.py",
+    "test_timing.py",
 )
 # ... less these, the slowest (the run on the newest torch keeps them): simulate against 3 real ranks (about a
 # minute) and analytic against simulate on the GPT (half a minute; the plain-parameter model's case stays).
