@@ -17,7 +17,7 @@ from .integrations import PatchReport, patch, unpatch
 from .launch import init_process_group
 from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingPolicy
 from .trace import count_wire_bytes, record_trace
 from .weights import WeightsReport, load_sharded_weights
 
@@ -35,6 +35,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "PatchReport",
+    "ShardingPolicy",
     "UnshardHandle",
     "WeightsReport",
     "__version__",

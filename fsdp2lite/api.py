@@ -23,6 +23,7 @@ from ._runtime.group import FSDPParamGroup
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._runtime.state import FSDPState
+from ._runtime.zero import make_resident
 from ._snapshot import ModuleSnapshot, all_modules
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
@@ -31,6 +32,7 @@ from .policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    ShardingPolicy,
     from_torch_policy,
     reduce_dtype_problem,
 )
@@ -57,6 +59,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     comm_policy: CommPolicy | None = None,
+    sharding: ShardingPolicy | None = None,
 ) -> M:
     """Shard ``module`` (or a list of modules, as one group) over ``mesh``; returns it, now an FSDPModule.
 
@@ -79,24 +82,23 @@ def fully_shard(
         comm_policy: ``CommPolicy(all_gather="int8", reduce_scatter="all_to_all", ...)``: fewer bytes on the
             wire, full precision elsewhere (README, "Communication"); None sends as torch's fully_shard does.
         dp_mesh_dims: torch's SPMD form; not supported: anything but None raises, naming the sub-mesh to pass.
+        sharding: ``ShardingPolicy(shard="optimizer")`` (or ``ShardingPolicy.zero_stage(1|2)``): ZeRO-1/2, the
+            group's unsharded parameters stay resident between steps and are all-gathered once after the
+            shards change ([Note: resident groups]); None or ``shard="params"``: ZeRO-3, torch's behaviour.
     """
     _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
-    check_reshard_after_forward(reshard_after_forward)
+    resident = _check_sharding(sharding, reshard_after_forward)
     mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy, comm_policy)
-    ignored = _check_ignored(ignored_params)
-    owned = _collect_params(modules, ignored)
+    owned = _collect_params(modules, _check_ignored(ignored_params))
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
     _check_group_dtypes(owned, policy, modules)
-    _check_tp_params(owned, mesh_info)
-    dims = _shard_dims(shard_placement_fn, owned)
-    _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
+    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward)
     snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
     try:
         params = tuple(_make_param(entry, dim, mesh_info, policy, mp_policy) for entry, dim in zip(owned, dims))
-        _accept_full_tensors_on_load(params)
-        group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy) if params else None
+        group = _make_group(params, modules, mesh_info, reshard_after_forward, comm_policy, resident)
         state = FSDPState(modules, group, mp_policy)
         for m in modules:
             m._fsdp_state = state  # type: ignore[assignment]
@@ -106,6 +108,62 @@ def fully_shard(
         raise
     _register_composable(modules)
     return module
+
+
+def _checked_dims(
+    shard_placement_fn: Any, owned: Any, mesh_info: MeshInfo, reshard_after_forward: bool | int | None
+) -> list[int]:
+    """Each owned parameter's shard dim, after checking tensor-parallel parameters against the mesh and the
+    dims against a k-rank ``reshard_after_forward``."""
+    _check_tp_params(owned, mesh_info)
+    dims = _shard_dims(shard_placement_fn, owned)
+    _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
+    return dims
+
+
+def _make_group(
+    params: tuple[FSDPParam, ...],
+    modules: tuple[nn.Module, ...],
+    mesh_info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    comm_policy: CommPolicy | None,
+    resident: bool,
+) -> FSDPParamGroup | None:
+    """The call's group (None when it owns no parameter), ZeRO-1/2's resident one for ``resident``."""
+    _accept_full_tensors_on_load(params)
+    if not params:
+        return None
+    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy)
+    if resident:
+        _make_resident(group)
+    return group
+
+
+def _check_sharding(sharding: Any, reshard_after_forward: bool | int | None) -> bool:
+    """``reshard_after_forward`` checked, then whether the group is resident (ZeRO-1/2); TypeError or
+    ValueError for what cannot be."""
+    check_reshard_after_forward(reshard_after_forward)
+    if sharding is None:
+        return False
+    if not isinstance(sharding, ShardingPolicy):
+        raise TypeError(f"sharding must be a fsdp2lite.ShardingPolicy or None, got {type(sharding).__name__}")
+    if sharding.resident and reshard_after_forward not in (None, False):
+        raise ValueError(
+            f"sharding=ShardingPolicy(shard='optimizer') keeps the parameters unsharded between steps (ZeRO-1/2); "
+            f"reshard_after_forward={reshard_after_forward!r} would free them: leave it None (or False)"
+        )
+    return sharding.resident
+
+
+def _make_resident(group: FSDPParamGroup) -> None:
+    odd = [param.fqn for param in group.params if param.extension is not None]
+    if odd:
+        raise ValueError(
+            f"sharding=ShardingPolicy(shard='optimizer') keeps plain unsharded parameters, but these gather "
+            f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(odd)}; shard them with "
+            "shard='params'"
+        )
+    make_resident(group)
 
 
 def _register_composable(modules: tuple[nn.Module, ...]) -> None:

@@ -108,9 +108,10 @@ class FSDPModule(_TorchFSDPModule):
         return None
 
     def reshard(self) -> None:
-        """Free this module's unsharded parameters; the DTensor parameters are registered again."""
+        """Free this module's unsharded parameters (ZeRO-1/2's kept ones too); the DTensor parameters are
+        registered again."""
         if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reshard()
+            self._fsdp_state.group.reshard(free=True)  # a resident (ZeRO-1/2) group's storage too
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn the gradient reduce-scatter off (grads accumulate unsharded) or back on."""

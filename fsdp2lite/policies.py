@@ -171,6 +171,47 @@ class CommPolicy(BaseModel):
         return self.all_gather is not None or self.reduce_scatter is not None
 
 
+class ShardingPolicy(BaseModel):
+    """What each mesh axis shards (ZeRO's stages): ``shard: params`` (ZeRO-3, the default: parameters,
+    gradients and optimizer state sharded, each group all-gathered before use and freed after) or
+    ``optimizer`` (ZeRO-1/2: the unsharded parameters stay resident between steps; gradients are
+    reduce-scattered into the sharded masters, the optimizer steps on shards, and each group is all-gathered
+    once after the shards change). ``replicate``: ``none`` (HSDP's replicas hold whole shards; the only
+    value this version takes)."""
+
+    model_config = _FROZEN
+
+    shard: Literal["params", "optimizer"] = Field(
+        "params", description="params: ZeRO-3 (default); optimizer: ZeRO-1/2, parameters resident between steps"
+    )
+    replicate: Literal["none"] = Field(
+        "none", description="none: each replica holds whole shards (HSDP); sharding across replicas is not built yet"
+    )
+
+    @field_validator("replicate", mode="before")
+    @classmethod
+    def _replicate(cls, value: Any) -> Any:
+        if value == "optimizer":
+            raise ValueError(
+                "replicate: optimizer (HFSDP: masters and optimizer state sharded across the replicas too) is not "
+                "built yet; 'none' (HSDP) is the only value this version takes"
+            )
+        return value
+
+    @classmethod
+    def zero_stage(cls, stage: int) -> ShardingPolicy:
+        """DeepSpeed's shorthand for the shard axis: 3 -> params, 1 and 2 -> optimizer (they coincide here: a
+        reduce-scatter already leaves each rank only its gradient shard, so ZeRO-1's whole gradients buy nothing)."""
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
+        return cls(shard="params" if stage == 3 else "optimizer")
+
+    @property
+    def resident(self) -> bool:
+        """Parameters stay unsharded between steps (ZeRO-1/2)."""
+        return self.shard == "optimizer"
+
+
 def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a policy casts ``param`` to: ``dtype`` for floating-point parameters (None keeps theirs),
     integer and bool parameters always keep their own."""

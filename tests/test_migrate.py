@@ -94,7 +94,8 @@ CASES = {
         "deepspeed",
         {},
         {
-            "reshard_after_forward": False,
+            "resident": True,  # zero_stage: 2, ZeRO-1/2's resident parameters (they keep them: never resharded)
+            "reshard_after_forward": "auto",
             "param_dtype": torch.float16,
             "offload": "none",
             "replicate": 1,
@@ -147,6 +148,7 @@ def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> 
     config = m.config
     assert not m.unknown, m.unknown
     assert config.reshard_after_forward == expected["reshard_after_forward"]
+    assert config.sharding.resident == expected.get("resident", False)
     assert config.mixed_precision.param_dtype == expected["param_dtype"]
     if "reduce_dtype" in expected:
         assert config.mixed_precision.reduce_dtype == expected["reduce_dtype"]
@@ -210,13 +212,13 @@ def test_unknown_keys_get_a_suggestion_and_exit_1(tmp_path: Path, capsys: pytest
     assert main(["migrate", "--from", "deepspeed", str(bad), "-o", str(tmp_path / "o.yaml")]) == 1
     assert main(["migrate", "--from", "deepspeed", str(FIXTURES / "deepspeed_zero2.json"), "--json"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert record["config"]["reshard_after_forward"] is False and record["source"] == "deepspeed"
+    assert record["config"]["zero_stage"] == 2 and record["source"] == "deepspeed"
 
 
 @pytest.mark.parametrize(
     ("source", "text", "name", "match"),
     [
-        ("deepspeed", '{"zero_optimization": {"stage": 1}}', "ds.json", r"ZeRO stage 1 does not shard parameters"),
+        ("deepspeed", '{"zero_optimization": {"stage": 0}}', "ds.json", r"ZeRO stage 0 shards nothing .*use DDP"),
         (
             "deepspeed",
             '{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}',
@@ -332,11 +334,11 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
     assert sorted(groups) == ["", f"{blocks}.0", f"{blocks}.1"]
     for name, group in groups.items():
         if name:  # the root's auto is resolved at the first forward
-            assert group.reshard_after_forward_requested == (
-                None if expected["reshard_after_forward"] == "auto" else expected["reshard_after_forward"]
-            )
+            requested = None if expected["reshard_after_forward"] == "auto" else expected["reshard_after_forward"]
+            assert group.reshard_after_forward_requested == (False if expected.get("resident") else requested)
         dtype = expected["param_dtype"] or torch.float32
         assert all(p.param_dtype == dtype for p in group.params), name
+        assert (group.resident is not None) == expected.get("resident", False), name
         assert all(p.offload_to_cpu == (expected["offload"] == "cpu") for p in group.params), name
     x = torch.randn(2, 8) if source == "torchtitan" else torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     model(x).float().sum().backward()

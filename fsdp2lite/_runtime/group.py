@@ -46,6 +46,7 @@ from .param import FSDPParam
 from .post_forward import PostForwardGroup, check_post_forward_dims, check_post_forward_size
 from .quantize import block_segments, copy_out_quantized, encode_group
 from .states import ShardedState, TrainingState
+from .zero import Resident
 
 
 class PendingUnshard(NamedTuple):
@@ -141,6 +142,7 @@ class FSDPParamGroup:
         self.reduce_scatter_group = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
+        self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
         self.set_comm_policy(comm_policy or CommPolicy())
 
     @property
@@ -206,6 +208,8 @@ class FSDPParamGroup:
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
+        if self.resident is not None:
+            self.resident.invalidate()  # the sharded parameters may be new tensors
         for param in self.params:
             param.reset_sharded_param()
         self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them
@@ -213,6 +217,8 @@ class FSDPParamGroup:
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
+            return
+        if self.resident is not None and self.resident.reuse():
             return
         if self.sharded_state is ShardedState.SHARDED:
             self.sync_extensions()
@@ -294,15 +300,24 @@ class FSDPParamGroup:
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+        if self.resident is not None:
+            self.resident.gathered()
 
-    def reshard(self) -> None:
-        """Free the unsharded parameters (waiting first for an all-gather still in flight)."""
+    def reshard(self, free: bool = False) -> None:
+        """Free the unsharded parameters (waiting first for an all-gather still in flight); a resident group
+        keeps their storage unless ``free`` ([Note: resident groups])."""
         self.wait_for_unshard()
         self.post_forward_buffer = None
+        keep = self.resident is not None and not free
+        if self.resident is not None and free:
+            self.resident.invalidate()
         if self.sharded_state is ShardedState.SHARDED:
+            if self.resident is not None and free:
+                for param in self.params:
+                    param.to_sharded()  # the kept storage too
             return
         for param in self.params:
-            param.to_sharded()
+            param.to_sharded(keep)
         self.sharded_state = ShardedState.SHARDED
         self.trace("reshard")
 

@@ -440,9 +440,12 @@ class FSDPParam(GradientState):
         self._set_on_modules(unsharded)
         self.sharded_state = ShardedState.UNSHARDED
 
-    def to_sharded(self) -> None:
-        """Register the sharded DTensor on the modules and free the unsharded storage."""
+    def to_sharded(self, keep: bool = False) -> None:
+        """Register the sharded DTensor on the modules and free the unsharded storage (``keep``: not)."""
         self._set_on_modules(self.sharded_param)
+        if keep:  # a resident group's storage stays for its next forward: [Note: resident groups]
+            self.sharded_state = ShardedState.SHARDED
+            return
         if self.extension is not None:
             self.extension.free()  # [Note: all-gather extension]
         if self.unsharded_flat is not None:

@@ -294,6 +294,8 @@ def policy_lines(row: GroupRow) -> list[str]:
     if not policy.mixed_precision.cast_forward_inputs:
         mixed += " cast_forward_inputs=false"
     lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
+    if policy.sharding.resident:
+        lines.append("sharding: shard=optimizer (ZeRO-1/2: parameters resident, gathered once after each step)")
     comm = policy.communication
     if comm.active:
         parts = [f"all_gather={comm.all_gather}"] if comm.all_gather else []

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..policies import CommPolicy, MixedPrecisionPolicy, reduce_dtype_problem
+from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy, reduce_dtype_problem
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
 
@@ -30,6 +30,7 @@ class GroupPolicy:
     unshard_in_backward: bool = True
     activation_checkpointing: bool = False
     communication: CommPolicy = field(default_factory=CommPolicy)
+    sharding: ShardingPolicy = field(default_factory=ShardingPolicy)
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         value = self.reshard_after_forward
@@ -38,6 +39,7 @@ class GroupPolicy:
             "mp_policy": self.mixed_precision,
             "offload_policy": self.offload.to_policy(),
             "comm_policy": self.communication if self.communication.active else None,
+            "sharding": self.sharding if self.sharding.resident else None,
         }
 
 
@@ -71,7 +73,7 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan = Plan()
     top = GroupPolicy(
         config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params,
-        communication=config.communication,
+        communication=config.communication, sharding=config.sharding,
     )  # fmt: skip
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
     for path, module in model.named_modules():
@@ -111,8 +113,27 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan.params, refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
     plan.refused.extend(refused)
     plan.refused.extend(_dtype_problems(plan))
+    plan.refused.extend(_resident_problems(plan))
     _plan_shard_dims(model, config, plan)
     return plan
+
+
+def _resident_problems(plan: Plan) -> list[Problem]:
+    """ZeRO-1/2 groups keep their parameters: a reshard_after_forward that frees them contradicts it."""
+    problems = []
+    for group in plan.groups:
+        value = group.policy.reshard_after_forward
+        if group.policy.sharding.resident and value not in ("auto", False):
+            label = " + ".join(path or "<root>" for path in group.paths)
+            problems.append(
+                Problem(
+                    label,
+                    f"sharding.shard: optimizer (ZeRO-1/2) keeps the parameters unsharded between steps, but "
+                    f"reshard_after_forward: {str(value).lower()} would free them",
+                    "leave reshard_after_forward at auto (or false) for it, or use sharding.shard: params",
+                )
+            )
+    return problems
 
 
 def _dtype_problems(plan: Plan) -> list[Problem]:
@@ -217,6 +238,7 @@ def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
         rule.unshard_in_backward,
         rule.activation_checkpointing,
         communication,
+        top.sharding if rule.sharding is None else rule.sharding,
     )
 
 

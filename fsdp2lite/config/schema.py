@@ -34,7 +34,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..mesh import resolve_mesh_degrees
-from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
+from ..policies import (
+    CommPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingPolicy,
+    from_torch_policy,
+)
 from .errors import ConfigError, Problem
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
@@ -196,6 +203,9 @@ class WrapRule(BaseModel):
     communication: CommPolicy | None = Field(
         None, description="overrides the top-level fields it sets; the others are inherited"
     )
+    sharding: ShardingPolicy | None = Field(
+        None, description="overrides the top-level sharding (e.g. experts kept resident: shard: optimizer)"
+    )
     reduce_scatter_unused_params: bool | None = Field(None, description="overrides the top-level value")
     unshard_in_backward: bool = Field(
         True, description="false: never all-gather these groups in backward (their backward needs no values)"
@@ -232,6 +242,13 @@ class FSDPConfig(BaseModel):
         default_factory=CommPolicy,
         description="what the collectives send: quantized all-gather, all-to-all reduce-scatter (see CommPolicy)",
     )
+    sharding: ShardingPolicy = Field(
+        default_factory=ShardingPolicy,
+        description="what each mesh axis shards: shard: params (ZeRO-3, default) | optimizer (ZeRO-1/2)",
+    )
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None, description="DeepSpeed's shorthand for sharding.shard: 3 = params, 1 and 2 = optimizer"
+    )
     wrap: list[WrapRule] = Field(default_factory=list, description="ordered wrap rules; first match wins")
     ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
     shard_placement: list[ShardPlacementRule] = Field(
@@ -243,6 +260,19 @@ class FSDPConfig(BaseModel):
     schedule: ScheduleConfig = Field(
         default_factory=ScheduleConfig, description="the root's schedule settings (see ScheduleConfig)"
     )
+
+    @model_validator(mode="after")
+    def _zero_stage(self) -> FSDPConfig:
+        if self.zero_stage is None:
+            return self
+        implied = ShardingPolicy.zero_stage(self.zero_stage)
+        if "sharding" in self.model_fields_set and self.sharding != implied:
+            raise ValueError(
+                f"zero_stage: {self.zero_stage} means sharding.shard: {implied.shard}, but sharding says "
+                f"shard: {self.sharding.shard}; give one of them"
+            )
+        object.__setattr__(self, "sharding", implied)
+        return self
 
     @field_validator("reshard_after_forward")
     @classmethod

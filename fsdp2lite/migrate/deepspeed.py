@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO configs (JSON): stages 2/3, offload, hpZ, MiCS, leaf modules, dtypes."""
+"""DeepSpeed ZeRO configs (JSON): stages 1-3, offload, hpZ, MiCS, leaf modules, dtypes."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Ru
 
 
 def _ds_stage(m: Migration, value: Any) -> str:
-    if value in (0, 1):
+    if value == 0:
         raise MigrationError(
-            f"{m.path}: ZeRO stage {value} does not shard parameters (stage 1 shards only optimizer state); "
-            "fsdp2lite shards parameters, gradients and optimizer state: stage 2 or 3 map to it"
+            f"{m.path}: ZeRO stage 0 shards nothing (data parallelism): use DDP; stages 1-3 map to fsdp2lite"
         )
-    if value not in (2, 3):
+    if value not in (1, 2, 3):
         raise MigrationError(f"{m.path}: zero_optimization.stage must be 0-3, got {value!r}")
-    set_key(m, "reshard_after_forward", value == 3, "zero_optimization.stage")
-    return f"reshard_after_forward: {str(value == 3).lower()} (stage {value})"
+    if value == 3:
+        set_key(m, "reshard_after_forward", True, "zero_optimization.stage")
+        return "reshard_after_forward: true (stage 3: parameters sharded and gathered per use)"
+    set_key(m, "zero_stage", value, "zero_optimization.stage")
+    return f"zero_stage: {value} (parameters resident between steps; gradients and optimizer state sharded)"
 
 
 def _ds_offload(kind: str) -> Handler:

@@ -1,0 +1,69 @@
+"""ZeRO-1/2 groups: unsharded parameters resident between steps, gathered again only when the shards changed.
+
+[Note: resident groups]
+A group under ``ShardingPolicy(shard="optimizer")`` runs as a ZeRO-3 group whose unsharded storage is never
+freed: it keeps its parameters through forward and backward (``reshard_after_forward`` is False), and after
+backward registers the sharded DTensors on the modules again (so ``model.parameters()``, the optimizer,
+``clip_grad_norm_`` and checkpoints see shards with their reduce-scattered gradients, as under ZeRO-3) while
+the unsharded values stay in place. The next ``unshard`` then skips the all-gather when the shards are the
+ones it gathered: each shard's autograd version counters (the DTensor's and its local tensor's) are
+recorded when its all-gather completes, and every in-place change through the parameter or its local tensor
+(``optimizer.step()``, ``copy_``, ``load_state_dict``, a DCP load) bumps one of them, so the first forward
+after a step all-gathers each group once and every other unshard is free.
+Writes that bypass autograd's version counters (through ``.data``) are not seen: ``model.reshard()`` frees
+the storage, so the next forward gathers anew. Per step: one all-gather and one reduce-scatter per group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .states import ShardedState
+
+FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+
+
+class Resident:
+    """The freshness of a resident group's unsharded storage ([Note: resident groups])."""
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self.group = group
+        self.versions: tuple[int, ...] | None = None  # the shards' versions when last gathered
+        self.skipped = 0  # all-gathers skipped because the storage was fresh (tests and trace read it)
+
+    def _current(self) -> tuple[int, ...]:
+        """Each shard's version counters: the DTensor's (bumped by in-place ops through it, such as the
+        optimizer's: DTensor runs them on its local tensor below autograd, which bumps only the outer
+        counter) and its local tensor's (bumped by writes to it directly, such as a sharded weight load)."""
+        versions: list[int] = []
+        for param in self.group.params:
+            versions += (param.sharded_param._version, param.sharded_param._local_tensor._version)  # type: ignore[attr-defined]
+        return tuple(versions)
+
+    def gathered(self) -> None:
+        """The all-gather just completed holds the shards as they are now."""
+        self.versions = self._current()
+
+    def invalidate(self) -> None:
+        """The storage no longer holds the shards' values (freed, or the sharded parameters were reset)."""
+        self.versions = None
+
+    def reuse(self) -> bool:
+        """Register the kept unsharded parameters if they hold the current shards; False: gather."""
+        group = self.group
+        if group.sharded_state is not ShardedState.SHARDED or self.versions is None:
+            return False
+        if self.versions != self._current():
+            return False
+        for param in group.params:
+            param.to_unsharded()
+        group.sharded_state = ShardedState.UNSHARDED
+        self.skipped += 1
+        group.trace("all_gather_skipped")
+        return True
+
+
+def make_resident(group: FSDPParamGroup) -> None:
+    """Turn ``group`` into a ZeRO-1/2 group: parameters kept through forward, storage kept across steps."""
+    group.set_reshard_after_forward(False)
+    group.resident = Resident(group)
