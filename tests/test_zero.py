@@ -148,30 +148,51 @@ def scenario_checkpoint_across_strategies(rank: int, ws: int) -> None:
         torch.testing.assert_close(gpt_loss(target, batch), gpt_loss(source, batch), rtol=0, atol=0)
 
 
+VARIANTS = {  # on top of one group per Block: each with and without zero_stage 2
+    "fp32": {},
+    "bf16 mixed precision": {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
+    "CPU offload (ZeRO-Offload's shape)": {"offload": {"device": "cpu", "pin_memory": False}},
+    "HSDP (2, 2)": {"mesh": {"replicate": 2, "shard": 2}},
+}
+
+
 def scenario_policy_file_bitwise_zero3(rank: int, ws: int) -> None:
     """``zero_stage: 2`` through apply_config: resident groups, and AdamW steps bit for bit ZeRO-3's (the same
-    collectives and arithmetic, only fewer all-gathers)."""
-    from _dist import cpu_mesh
+    collectives and arithmetic, only fewer all-gathers), in fp32, bf16 mixed precision, with CPU offload of
+    the shards and optimizer state, and on an HSDP mesh."""
+    for label, extra in VARIANTS.items():
+        torch.manual_seed(0)
+        zero3, zero2 = tiny_gpt(), tiny_gpt()
+        zero2.load_state_dict(zero3.state_dict())
+        rules = {"wrap": [{"match": {"class": "Block"}}], **extra}
+        fl.apply_config(zero3, fl.FSDPConfig.model_validate(rules))
+        fl.apply_config(zero2, fl.FSDPConfig.model_validate({"zero_stage": 2, **rules}))
+        assert all(group.resident is not None for group in _groups(zero2)), label
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (zero3, zero2)]
+        for step in range(3):
+            losses = []
+            for model, opt in zip((zero3, zero2), opts):
+                loss = gpt_loss(model, gpt_batch(step, rank))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), (label, step, losses)
+        for a, b in zip(zero3.parameters(), zero2.parameters()):
+            assert torch.equal(full(a), full(b)), label
 
-    torch.manual_seed(0)
-    zero3, zero2 = tiny_gpt(), tiny_gpt()
-    zero2.load_state_dict(zero3.state_dict())
-    rules = [{"match": {"class": "Block"}}]
-    fl.apply_config(zero3, fl.FSDPConfig.model_validate({"wrap": rules}), cpu_mesh())
-    fl.apply_config(zero2, fl.FSDPConfig.model_validate({"zero_stage": 2, "wrap": rules}), cpu_mesh())
-    assert all(group.resident is not None for group in _groups(zero2))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (zero3, zero2)]
-    for step in range(3):
-        losses = []
-        for model, opt in zip((zero3, zero2), opts):
-            loss = gpt_loss(model, gpt_batch(step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        assert torch.equal(losses[0], losses[1]), (step, losses)
-    for a, b in zip(zero3.parameters(), zero2.parameters()):
-        assert torch.equal(full(a), full(b))
+
+def scenario_hsdp_parity_with_ddp(rank: int, ws: int) -> None:
+    """ZeRO-1/2 on a (replicate 2, shard 2) mesh against DDP: losses, grads and params every step."""
+    mesh = fl.init_mesh(replicate=2, shard=2, device_type="cpu")
+
+    def apply(model: nn.Module) -> None:
+        for block in model.blocks:
+            fl.fully_shard(block, mesh, sharding=ZERO12)
+        fl.fully_shard(model, mesh, sharding=ZERO12)
+
+    torch.manual_seed(2)
+    train_and_compare(tiny_gpt(), apply, gpt_batch, gpt_loss, rank, steps=4, label="zero-1/2 hsdp")
 
 
 def test_zero_stages_on_four_ranks() -> None:
@@ -182,6 +203,7 @@ def test_zero_stages_on_four_ranks() -> None:
         scenario_never_stale,
         scenario_checkpoint_across_strategies,
         scenario_policy_file_bitwise_zero3,
+        scenario_hsdp_parity_with_ddp,
     )
 
 
