@@ -251,6 +251,30 @@ def test_estimate_simulates_the_resident_copy() -> None:
     assert zero2.breakdown["unsharded_params"] >= whole > zero3.breakdown["unsharded_params"]
 
 
+def test_analytic_and_step_time_know_zero_12() -> None:
+    """analytic counts the resident copy (within 15% of simulate, as for ZeRO-3); the step-time model and the
+    budget search count no backward re-gather for it."""
+    import functools
+
+    from fsdp2lite.cli.estimate_search import communication_bytes
+    from fsdp2lite.estimate.timing import comm_bytes
+    from fsdp2lite.models import GPT, GPTConfig
+
+    build = functools.partial(GPT, GPTConfig(vocab_size=512, seq_len=128, d_model=256, n_heads=4, n_layers=6))
+    rules = {"wrap": [{"match": {"class": "Block"}}]}
+    zero2 = fl.FSDPConfig.model_validate({"zero_stage": 2, **rules})
+    simulated = fl.estimate_memory(build, zero2, world_size=8, batch=4)
+    analytic = fl.estimate_memory(build, zero2, world_size=8, batch=4, method="analytic")
+    assert 0.85 <= analytic.peak_bytes / simulated.peak_bytes <= 1.15, (analytic.peak_bytes, simulated.peak_bytes)
+    assert any(note.startswith("terms:") and " Z " in note for note in analytic.notes)
+    zero3 = fl.FSDPConfig.model_validate(rules)
+    plans = {name: fl.plan_config(build(), config) for name, config in (("zero2", zero2), ("zero3", zero3))}
+    sent = {name: comm_bytes(plan, shard=8) for name, plan in plans.items()}
+    assert sent["zero2"].all_gather_backward == 0 < sent["zero3"].all_gather_backward
+    assert sent["zero2"].all_gather_forward == sent["zero3"].all_gather_forward
+    assert communication_bytes(build(), zero2, 8) < communication_bytes(build(), zero3, 8)
+
+
 def test_fully_shard_refuses_what_contradicts_zero_12() -> None:
     """Checked before anything changes (no process group needed for the refusals)."""
     model = nn.Linear(4, 4)

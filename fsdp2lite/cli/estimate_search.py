@@ -192,7 +192,7 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         ring = (shard - 1) / shard
         value = policy.reshard_after_forward
         if value == "auto":
-            value = group.rule_index is not None  # the root keeps its parameters, the others reshard
+            value = group.rule_index is not None and not policy.sharding.resident  # root and ZeRO-1/2 keep them
         backward_ranks = shard if value is True else (value if isinstance(value, int) and value > 1 else 1)
         total += gather * ring + gather * (backward_ranks - 1) / backward_ranks + reduce * ring
     return int(total)

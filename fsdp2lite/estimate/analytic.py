@@ -12,16 +12,19 @@ Terms, per rank (bytes):
     B   the largest other group's unsharded parameters, padded the same way; B_g its unsharded gradients,
         B_r the same in reduce_dtype (the reduce-scatter input)
     D   qlora: the largest NF4 weight dequantized to the compute dtype for its matmul (0 otherwise)
+    Z   ZeRO-1/2 (``sharding.shard: optimizer``): the resident groups' unsharded parameters, there in every
+        phase (B is then the largest group still gathered per use); Z_r a resident root's R, kept through
+        the optimizer step too
     A   activations autograd saves in one forward of the plain model (traced on fake tensors, each storage
         counted once), incl. the loss's; with activation checkpointing, traced with it (block inputs)
     A_r with activation checkpointing: one checkpointed module's activations, recomputed in its backward
     L   the model output (logits), at the size the loss saves it (an fp32 upcast for Hugging Face models):
         backward starts with two temporaries of its size
 Candidates for the peak:
-    backward, at its start:   S + O + R + A + 2 L
-    backward, in a block:     S + O + R + R_g + 2 B + B_g + B_r + D + A - L + A_r (root params and grads, a
-                              block's params, grads, reduce buffer, prefetched all-gather; activations bound)
-    optimizer step:           S + S_t + O + T (sharded grads, the foreach temporaries)
+    backward, at its start:   S + O + R + Z + A + 2 L
+    backward, in a block:     S + O + R + R_g + 2 B + B_g + B_r + D + Z + A - L + A_r (root params and grads,
+                              a block's params, grads, reduce buffer, prefetched all-gather; activations bound)
+    optimizer step:           S + S_t + O + T + Z + Z_r (sharded grads, the foreach temporaries)
 Full training has R_g = R and B_g = B. The largest is the estimate; the notes name it and its largest term.
 With CPU offload, the offloaded groups' shards, sharded gradients and optimizer state leave the device
 and are counted as ``host_bytes``: shards and each group's gradient buffer at the pinned allocator's
@@ -128,7 +131,11 @@ def _memory_terms(
     terms["S_t"] = trainable
     terms["R"], terms["R_g"] = groups[-1].unsharded, groups[-1].unsharded_grads
     block = max(groups[:-1], key=lambda g: g.unsharded, default=None)
-    terms["B"] = block.unsharded if block else 0
+    resident = [g.policy.sharding.resident for g in plan.groups]
+    terms["Z"] = sum(g.unsharded for g, kept in zip(groups[:-1], resident) if kept)  # ZeRO-1/2: always there
+    terms["Z_r"] = groups[-1].unsharded if resident[-1] else 0  # a resident root's, in the optimizer step too
+    gathered = [g.unsharded for g, kept in zip(groups[:-1], resident) if not kept]
+    terms["B"] = max(gathered, default=0)  # the largest group gathered per use (ZeRO-3)
     terms["B_g"] = block.unsharded_grads if block else 0
     terms["B_r"] = max((g.reduced for g in groups[:-1]), default=0)
     terms["D"] = max((g.dequantized for g in groups), default=0)  # qlora: one NF4 weight dequantized to bf16
@@ -163,9 +170,9 @@ def _named(plan: Plan) -> list[tuple[str, torch.Tensor]]:
 
 
 FORMULAS = {
-    "backward": "S + O + R + A + 2L",
-    "backward (in a block)": "S + O + R + R_g + 2B + B_g + B_r + D + A - L + A_r (- G_h with CPU offload)",
-    "optimizer": "S + S_t + O + T",
+    "backward": "S + O + R + Z + A + 2L",
+    "backward (in a block)": "S + O + R + R_g + 2B + B_g + B_r + D + Z + A - L + A_r (- G_h with CPU offload)",
+    "optimizer": "S + S_t + O + T + Z + Z_r",
 }
 TERMS = {
     "S": "sharded parameters",
@@ -177,6 +184,8 @@ TERMS = {
     "B_g": "largest block's unsharded gradients",
     "B_r": "largest block's gradients in the reduce dtype",
     "D": "one NF4 weight dequantized for its matmul",
+    "Z": "ZeRO-1/2 groups' resident unsharded parameters (the root's in R)",
+    "Z_r": "a ZeRO-1/2 root's unsharded parameters, kept through the optimizer step",
     "T": "optimizer temporaries",
     "A": "activations",
     "A_r": "one checkpointed module's recomputed activations",
@@ -187,7 +196,7 @@ TERMS = {
 
 def _candidates(t: dict[str, int]) -> dict[str, int]:
     return {
-        "backward": t["S"] + t["O"] + t["R"] + t["A"] + 2 * t["L"],
+        "backward": t["S"] + t["O"] + t["R"] + t["Z"] + t["A"] + 2 * t["L"],
         "backward (in a block)": -t.get("G_h", 0)
         + t["S"]
         + t["O"]
@@ -197,9 +206,10 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
         + t["B_g"]
         + t["B_r"]
         + t["D"]
+        + t["Z"]
         + max(0, t["A"] - t["L"])
         + t["A_r"],
-        "optimizer": t["S"] + t["S_t"] + t["O"] + t["T"],
+        "optimizer": t["S"] + t["S_t"] + t["O"] + t["T"] + t["Z"] + t["Z_r"],
     }
 
 
@@ -258,7 +268,7 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     if name == "backward":
         return {
             "params": s,
-            "unsharded_params": r,
+            "unsharded_params": r + terms["Z"],
             "grads": 0,
             "optimizer": o,
             "activations": a,
@@ -267,7 +277,7 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     if name == "optimizer":
         return {
             "params": s,
-            "unsharded_params": 0,
+            "unsharded_params": terms["Z"] + terms["Z_r"],
             "grads": terms["S_t"],
             "optimizer": o,
             "activations": 0,
@@ -277,7 +287,7 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     grads = terms["R_g"] + terms["B_g"] - terms.get("G_h", 0)  # unsharded grads; offloaded sharded grads on the host
     return {
         "params": s,
-        "unsharded_params": r + 2 * b + terms["D"] + min(0, grads),
+        "unsharded_params": r + 2 * b + terms["D"] + terms["Z"] + min(0, grads),
         "grads": max(0, grads),
         "optimizer": o,
         "activations": activations + terms["A_r"],

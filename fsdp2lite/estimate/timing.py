@@ -230,7 +230,11 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
                     scatter += _encoded(rows, shard, None, reduce_dtype, None, wire.block_size)
         if wire.reduce_scatter == "int8" and reduce_rows:  # the group's row to each rank, encoded as one run
             scatter = _encoded(reduce_rows, shard, None, torch.float32, "int8", wire.block_size)
-        regather = _reshards(policy.reshard_after_forward, root=index == last) and policy.unshard_in_backward
+        regather = (
+            _reshards(policy.reshard_after_forward, root=index == last)
+            and policy.unshard_in_backward
+            and not policy.sharding.resident  # ZeRO-1/2 keeps its parameters through backward
+        )
         forward += gather
         backward += gather if regather else 0
         reduced += scatter
