@@ -24,6 +24,7 @@ OLDEST_TORCH = (
     "test_estimate_finetune.py",
     "test_allocator.py",
     "test_timing.py",
+    "test_zero.py",
 )
 # ... less these, the slowest (the run on the newest torch keeps them): simulate against 3 real ranks (about a
 # minute) and analytic against simulate on the GPT (half a minute; the plain-parameter model's case stays).
