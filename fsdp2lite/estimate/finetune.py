@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..finetune.lora import DEFAULT_TARGETS, MAX_RANK, linear_names
+from ..finetune.lora import DEFAULT_TARGETS, MAX_RANK, targets_problem
 
 FINETUNES = ("full", "lora", "qlora")
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)  # 4.127: codes, int8 block scales, fp32 factors of the scales
@@ -92,13 +92,9 @@ def plan_model(model: nn.Module, finetune: Finetune) -> list[str]:
     ValueError listing the model's Linear layer names, raised before the model changes."""
     if not finetune.adapters:
         return []
-    existing = linear_names(model)
-    unmatched = [t for t in finetune.targets if t not in existing]
-    if unmatched:
-        raise ValueError(
-            f"--finetune {finetune.kind}: lora targets {', '.join(unmatched)} match no Linear layer of "
-            f"{type(model).__name__}; its Linear layers are named: {', '.join(existing) or '(none: nothing to adapt)'}"
-        )
+    problem = targets_problem(model, finetune.targets)
+    if problem is not None:
+        raise ValueError(f"--finetune {finetune.kind}: {problem}")
     for module in model.modules():  # the base in bf16, frozen (by hand: fake tensors refuse Module.to's swap)
         for name, param in module._parameters.items():
             if param is not None:

@@ -42,19 +42,27 @@ def linear_names(model: nn.Module) -> list[str]:
     return sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules() if isinstance(m, nn.Linear) and path})
 
 
+def targets_problem(model: nn.Module, targets: tuple[str, ...]) -> str | None:
+    """Why ``targets`` cannot all get adapters on ``model`` (a target naming no Linear layer), or None."""
+    existing = linear_names(model)
+    unmatched = [t for t in targets if t not in existing]
+    if not unmatched:
+        return None
+    return (
+        f"lora targets {', '.join(unmatched)} match no Linear layer of {type(model).__name__}; "
+        f"its Linear layers are named: {', '.join(existing) or '(none: nothing to adapt)'}"
+    )
+
+
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Wrap ``model`` in peft's ``PeftModel`` with LoRA adapters on ``settings.targets``; every base
     parameter frozen, the adapters trainable (fp32 when the base is bf16: peft's adapter autocast).
     Every target must name at least one Linear layer; otherwise ValueError listing the ones the model
     has, raised before the model is touched."""
     peft = require_libraries("lora")["peft"]
-    existing = linear_names(model)
-    unmatched = [t for t in settings.targets if t not in existing]
-    if unmatched:
-        raise ValueError(
-            f"lora targets {', '.join(unmatched)} match no Linear layer of {type(model).__name__}; "
-            f"its Linear layers are named: {', '.join(existing) or '(none)'}"
-        )
+    problem = targets_problem(model, settings.targets)
+    if problem is not None:
+        raise ValueError(problem)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
