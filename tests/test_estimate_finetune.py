@@ -172,4 +172,9 @@ def test_cli_budget_writes_the_fastest_fitting_setting_and_its_command(
     assert f"examples/train.py --config {out_path}" in record["train_command"]
     assert f"--finetune {record['finetune']}" in record["train_command"] and "recommended:" in out
     assert fl.FSDPConfig.from_yaml(out_path).wrap  # a policy file fsdp2lite reads back
+    assert main([*args, "--json", "--method", "simulate", "--finetune", "lora", "--lora-rank", "4"]) == 0
+    checked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    simulated = checked["budget"]["simulated"]  # --method simulate: the choice run on the real runtime too
+    assert simulated["method"] == "simulate" and simulated["finetune"] == checked["finetune"] == "lora"
+    assert 0.7 <= simulated["peak_bytes"] / checked["peak_bytes"] <= 1.3
     assert main([*args[:-1], "1KiB", "--host-ram", "1GiB"]) == 1  # nothing fits a 1 KiB device
