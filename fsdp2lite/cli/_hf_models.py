@@ -67,6 +67,8 @@ def _config(transformers: Any, spec: str, prog: str) -> Any:
         if spec.startswith("hf:"):
             return transformers.AutoConfig.from_pretrained(spec[3:], local_files_only=True)
         path = Path(spec)
+        if not path.exists():  # a local path: never looked up on the hub (that waits on the network)
+            raise OSError(f"no such file or directory: {spec}")
         if path.is_dir() or path.name == "config.json":
             return transformers.AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
         data = transformers.PretrainedConfig.get_config_dict(str(path))[0]
