@@ -311,11 +311,8 @@ class FSDPParamGroup:
         keep = self.resident is not None and not free
         if self.resident is not None and free:
             self.resident.invalidate()
-        if self.sharded_state is ShardedState.SHARDED:
-            if self.resident is not None and free:
-                for param in self.params:
-                    param.to_sharded()  # the kept storage too
-            return
+        elif self.sharded_state is ShardedState.SHARDED:
+            return  # a resident group's kept storage is freed only when asked (free)
         for param in self.params:
             param.to_sharded(keep)
         self.sharded_state = ShardedState.SHARDED
