@@ -25,9 +25,10 @@ from rich.table import Table
 
 from ..config import ConfigError, FSDPConfig
 from ..estimate import BREAKDOWN_KEYS, DEVICES, METHODS, OPTIMIZERS, MemoryEstimate, default_config, estimate_memory
-from ..estimate.finetune import FINETUNES, Finetune, plan_model, planned_factory
-from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime
-from ..finetune.lora import DEFAULT_TARGETS
+from ..estimate.common import default_seq, token_spec
+from ..estimate.finetune import FINETUNES, Finetune, plan_model
+from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime, find_gpu, find_link
+from ..finetune.lora import DEFAULT_TARGETS, targets_problem
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, non_negative_int, positive_int
 from .estimate_search import (
@@ -38,7 +39,6 @@ from .estimate_search import (
     search_budget,
     search_table,
     setting_time,
-    tokens_per_sequence,
     train_command,
     write_config,
 )
@@ -150,11 +150,11 @@ def _positive_float(text: str) -> float:
 
 def _hardware(args: argparse.Namespace) -> tuple[str | Link, str | Gpu, str]:
     """(link, gpu, how they were chosen); bad names name the valid ones."""
-    prog = "fsdp2lite estimate"
-    if args.link is not None and args.link not in LINKS:
-        raise UsageError(f"argument --link: unknown link {args.link!r}; valid links: {', '.join(LINKS)}", prog)
-    if args.gpu is not None and args.gpu not in GPUS:
-        raise UsageError(f"argument --gpu: unknown gpu {args.gpu!r}; valid gpus: {', '.join(GPUS)}", prog)
+    for flag, value, find in (("--link", args.link, find_link), ("--gpu", args.gpu, find_gpu)):
+        try:
+            find(value) if value is not None else None
+        except ValueError as exc:
+            raise UsageError(f"argument {flag}: {exc}", "fsdp2lite estimate") from None
     link: str | Link = (
         Link(args.link_gbps, LINKS[args.link or "nvlink4"].latency_us) if args.link_gbps else (args.link or "nvlink4")
     )
@@ -180,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
     factory = load_factory(args.model, prog=prog)
     model = build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
     search_finetune = args.finetune is None and args.budget is not None
-    if finetune.adapters:
-        _check_targets(factory, finetune, args.model)
-    elif search_finetune and _check_targets(factory, finetune, args.model, strict=False) is not None:
+    problem = targets_problem(model, finetune.targets) if finetune.adapters or search_finetune else None
+    if problem is not None and finetune.adapters:
+        raise UsageError(f"cannot plan {args.model}: --finetune {finetune.kind}: {problem}", prog=prog)
+    if problem is not None:
         search_finetune = False  # nothing to adapt: only full training is searched
         console.print(f"{args.model} has none of the LoRA targets ({args.lora_targets}): only full training searched")
     inputs = load_factory(args.inputs) if args.inputs else None
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     common = {
         "world_size": args.world_size, "rank": args.rank, "inputs": inputs, "batch": args.batch,
-        "seq": tokens_per_sequence(model, args.seq) if inputs is None and _is_token_model(model) else args.seq,
+        "seq": default_seq(model, args.seq) if inputs is None and _is_token_model(model) else args.seq,
         "optimizer": args.optimizer, "device": args.device,
     }  # fmt: skip
     per_node = args.ranks_per_node or min(args.world_size, 8)
@@ -202,12 +203,12 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         return _run_search(args, console, job, base, hardware, model)
     method = args.method or "simulate"
-    planned = finetune_config(base) if finetune.adapters and config is not None else config
-    estimate = _estimate(factory, planned, {**common, "method": method}, args.model, finetune)
+    chosen_config = finetune_config(base) if finetune.adapters else base  # as examples/train.py applies it
+    estimate = _estimate(factory, chosen_config, {**common, "method": method}, args.model, finetune)
     console.print(estimate_table(f"{args.model}, world size {args.world_size}, rank {args.rank}", estimate))
     record: dict[str, Any] = estimate.to_json()
-    meta = _planned_meta(factory, finetune)
-    chosen_config = planned or (finetune_config(base) if finetune.adapters else base)
+    meta = model  # the meta model built above, now the one this job trains
+    plan_model(meta, finetune)
     record["sent_per_step_bytes"] = sent = communication_bytes(meta, chosen_config, args.world_size)
     console.print(f"sent per rank per step: {human_bytes(sent)} (ring collectives; the config's communication policy)")
     job = SearchJob(factory, args.model, common, finetune, False, link, gpu, per_node, args.host_ram)
@@ -220,32 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _is_token_model(model: Any) -> bool:
-    from ..estimate.common import token_spec
-
     return token_spec(model) is not None
-
-
-def _planned_meta(factory: Any, finetune: Finetune) -> Any:
-    import torch
-
-    with torch.device("meta"):
-        return planned_factory(factory, finetune)()
-
-
-def _check_targets(factory: Any, finetune: Finetune, spec: str, strict: bool = True) -> str | None:
-    """Why LoRA's targets cannot be planned on the model (None if they can); ``strict``: a usage error
-    naming the Linear layers it has instead (``--finetune lora|qlora`` given)."""
-    import torch
-
-    with torch.device("meta"):
-        model = factory()
-    try:
-        plan_model(model, Finetune("lora", finetune.rank, finetune.targets))
-    except ValueError as exc:
-        if strict:
-            raise UsageError(f"cannot plan {spec}: {exc}", prog="fsdp2lite estimate") from None
-        return str(exc)
-    return None
 
 
 def _run_search(

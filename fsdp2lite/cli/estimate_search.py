@@ -25,7 +25,7 @@ from rich.table import Table
 from ..config import FSDPConfig, plan_config
 from ..estimate import element_size
 from ..estimate.analytic import analytic_estimate, nf4_paths
-from ..estimate.common import token_spec
+from ..estimate.common import default_seq
 from ..estimate.finetune import Finetune, planned_factory
 from ..estimate.timing import Gpu, Link, plan_step_time
 from ._args import UsageError
@@ -130,21 +130,12 @@ def setting_time(model: Any, config: FSDPConfig, job: SearchJob, finetune: Finet
     world = job.common["world_size"]
     _, shard = config.mesh.resolve(world)
     plan = plan_config(model, config)
-    seq = tokens_per_sequence(model, job.common["seq"])
+    seq = default_seq(model, job.common["seq"])
     return plan_step_time(
         model, plan, shard=shard, world_size=world, tokens_per_gpu=job.common["batch"] * seq, seq=seq,
         link=job.link, gpu=job.gpu, finetune=finetune.kind,  # type: ignore[arg-type]
         nf4=nf4_paths(model) if finetune.kind == "qlora" else (),
     )  # fmt: skip
-
-
-def tokens_per_sequence(model: Any, seq: int | None) -> int:
-    """``seq``, or the model's default sequence (estimate.common.token_inputs' rule); 1 for other models."""
-    spec = token_spec(model)
-    if seq is not None or spec is None:
-        return seq or 1
-    hf = isinstance(getattr(getattr(model, "config", None), "model_type", None), str)
-    return min(spec[1], 2048) if hf else spec[1]
 
 
 def config_for_setting(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
@@ -271,5 +262,6 @@ def train_command(path: str, choice: dict[str, Any], job: SearchJob, model_spec:
         parts.append(f"--lora-rank {job.finetune.rank} --lora-targets {','.join(job.finetune.targets)}")
     checkpointing = choice["activation_checkpointing"]
     parts.append("--activation-checkpointing" if checkpointing else "--no-activation-checkpointing")
-    parts.append(f"--batch {job.common['batch']} --seq {tokens_per_sequence(None, job.common['seq'])}")
+    seq = job.common["seq"]  # run() resolved a token model's default
+    parts.append(f"--batch {job.common['batch']}" + (f" --seq {seq}" if seq else ""))
     return " ".join(parts)

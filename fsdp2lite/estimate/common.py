@@ -70,6 +70,15 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(getattr(getattr(model, "config", None), "model_type", None), str)
 
 
+def default_seq(model: nn.Module, seq: int | None) -> int:
+    """``seq``, or a token model's default: its ``seq_len``, or a Hugging Face model's
+    ``min(max_position_embeddings, HF_DEFAULT_SEQ)``; 1 for other models without ``seq``."""
+    spec = token_spec(model)
+    if seq is not None or spec is None:
+        return seq or 1
+    return min(spec[1], HF_DEFAULT_SEQ) if is_hf_model(model) else spec[1]
+
+
 def token_inputs(model: nn.Module, batch: int, seq: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(tokens, targets) of shape (batch, seq) for a token model (``token_spec``); None for others. A
     Hugging Face model gets ``input_ids`` and ``labels`` (its loss shifts them itself)."""
@@ -78,7 +87,7 @@ def token_inputs(model: nn.Module, batch: int, seq: int | None) -> tuple[torch.T
         return None
     vocab, max_seq = spec
     hf = is_hf_model(model)
-    seq = (min(max_seq, HF_DEFAULT_SEQ) if hf else max_seq) if seq is None else seq
+    seq = default_seq(model, seq)
     if seq > max_seq:
         limit = "max_position_embeddings" if hf else "seq_len"
         raise ValueError(f"seq={seq} is longer than the model's {limit} ({max_seq})")

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -133,20 +133,20 @@ class StepTime:
 
 def find_link(name: str | Link) -> Link:
     """The table's link ``name`` (a ``Link`` as it is); ValueError naming the valid ones."""
-    if isinstance(name, Link):
-        return name
-    if name not in LINKS:
-        raise ValueError(f"unknown link {name!r}; valid links: {', '.join(LINKS)}")
-    return LINKS[name]
+    return _find(name, Link, LINKS, "link")
 
 
 def find_gpu(name: str | Gpu) -> Gpu:
     """The table's GPU ``name`` (a ``Gpu`` as it is); ValueError naming the valid ones."""
-    if isinstance(name, Gpu):
+    return _find(name, Gpu, GPUS, "gpu")
+
+
+def _find(name: Any, kind: type, table: Mapping[str, Any], what: str) -> Any:
+    if isinstance(name, kind):
         return name
-    if name not in GPUS:
-        raise ValueError(f"unknown gpu {name!r}; valid gpus: {', '.join(GPUS)}")
-    return GPUS[name]
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; valid {what}s: {', '.join(table)}")
+    return table[name]
 
 
 def attention_flops(layers: int, hidden: int, seq: int) -> float:
