@@ -177,7 +177,8 @@ def prepare_all(shape: Shape, meshes: dict[str, DeviceMesh], batch: Batch) -> tu
         except ValueError as exc:  # pydantic's ValidationError is one too
             if "not built" not in str(exc):
                 raise
-            unavailable[strategy.name] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:400]
+            reason = " ".join(str(exc).split()).split(" [type=")[0]  # pydantic's error code and link: noise here
+            unavailable[strategy.name] = f"{type(exc).__name__}: {reason}"[:400]
             continue
         runs[strategy.name] = run
     return runs, unavailable
