@@ -2,7 +2,9 @@
 
 Each fixture (tests/migrate/) becomes a config that plans the sharding the source tool would do:
 the groups (one per block class), the mesh, reshard after forward, the dtypes, offload; every input
-key is reported mapped, dropped (with why) or unsupported; bad inputs get clear errors.
+key is reported mapped, dropped (with why) or unsupported; bad inputs get clear errors. An input that
+names no layer class still gets one group per repeated block (--model's, else the Hugging Face decoder
+layers), and ``explain`` suggests the block class for a large module left in the root.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> 
     m = migrate(source, FIXTURES / fixture, **kwargs)
     config = m.config
     assert not m.unknown, m.unknown
+    assert not m.notes, m.notes  # every fixture names its layer class: no default block rule
     assert config.reshard_after_forward == expected["reshard_after_forward"]
     assert config.sharding.resident == expected.get("resident", False)
     assert config.mixed_precision.param_dtype == expected["param_dtype"]
@@ -343,3 +346,126 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
     x = torch.randn(2, 8) if source == "torchtitan" else torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     model(x).float().sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- one group per repeated block when the input names no layer class ---------------------------
+ZERO3 = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+def hf_decoder_layers() -> list[str]:
+    """The one list of known decoder layers: configs/hf_causal_lm.yaml's first rule."""
+    rule = fl.FSDPConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "hf_causal_lm.yaml").wrap[0]
+    return list(rule.match.class_)
+
+
+def meta_llama(layers: int = 3) -> nn.Module:
+    from _models import tiny_llama
+
+    with torch.device("meta"):
+        return tiny_llama(layers=layers)
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> Path:
+    """A tiny Llama as --model takes it: its config.json (built locally; nothing is downloaded)."""
+    meta_llama().config.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def write(tmp_path: Path, name: str, data: dict | str) -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_no_layer_class_and_no_model_wraps_the_known_decoder_layers(
+    tmp_path: Path, llama_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZeRO-3 from DeepSpeed names no layer class: the policy still makes one group per decoder layer (not
+    one all-gather of the whole model), says so in a note, and explain shows the per-layer groups."""
+    m = migrate("deepspeed", write(tmp_path, "ds.json", ZERO3))
+    assert [rule.match.class_ for rule in m.config.wrap] == [hf_decoder_layers()]
+    [note] = m.notes
+    assert note.startswith("no --model: wrapped the known Hugging Face decoder-layer classes (LlamaDecoderLayer, ")
+    assert note.endswith("pass --model to use your model's own")
+    assert groups_of(m.config, meta_llama()) == [(f"model.layers.{i}",) for i in range(3)] + [("",)]
+    out = tmp_path / "ds.yaml"
+    assert main(["migrate", "--from", "deepspeed", str(tmp_path / "ds.json"), "-o", str(out)]) == 0
+    assert "note: no --model: wrapped the known Hugging Face" in " ".join(capsys.readouterr().out.split())
+    assert "# note: no --model" in out.read_text() and main(["validate", str(out)]) == 0
+    monkeypatch.setenv("COLUMNS", "400")
+    capsys.readouterr()
+    assert main(["explain", str(out), "--model", str(llama_dir), "--world-size", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"model.layers.{i}  wrap[0]" in shown for i in range(3)) and "in 4 groups" in shown
+    assert "large modules left in the root" not in shown
+
+
+@pytest.mark.parametrize(
+    ("source", "text", "kwargs"),
+    [
+        ("accelerate", "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n", {}),
+        ("hf-trainer", '{"fsdp_config": {"activation_checkpointing": true}}', {"fsdp_option": "full_shard auto_wrap"}),
+        ("deepspeed", json.dumps(ZERO3), {}),
+    ],
+)
+def test_with_model_wraps_its_own_block(source: str, text: str, kwargs: dict, tmp_path: Path) -> None:
+    """--model: a Hugging Face model's _no_split_modules (what Accelerate and the Trainer wrap when no class
+    is named); checkpointing asked for applies to those rules."""
+    m = migrate(source, write(tmp_path, "in.txt", text), model=meta_llama(), **kwargs)
+    assert [rule.match.class_ for rule in m.config.wrap] == [["LlamaDecoderLayer"]]
+    assert m.notes == ["the input names no layer class: wrapped --model's LlamaDecoderLayer (_no_split_modules)"]
+    assert groups_of(m.config, meta_llama()) == [(f"model.layers.{i}",) for i in range(3)] + [("",)]
+    if source == "hf-trainer":  # the rule exists before the key that checkpoints it
+        assert m.config.wrap[0].activation_checkpointing
+        assert statuses(m)["activation_checkpointing"] == "mapped"
+
+
+class Stack(nn.Module):
+    """A model without _no_split_modules: a GPT's Block list inside a wrapper, and a large leaf table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = GPT(TINY)
+        self.table = nn.Embedding(600, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.table(x).sum()
+
+
+def test_model_without_no_split_modules_uses_its_largest_repeated_list(tmp_path: Path) -> None:
+    m = migrate("deepspeed", write(tmp_path, "ds.json", ZERO3), model=Stack())
+    assert [rule.match.class_ for rule in m.config.wrap] == [["Block"]]
+    assert "wrapped --model's Block (2 repeated Block modules)" in m.notes[0]
+    assert groups_of(m.config, Stack()) == [("body.blocks.0",), ("body.blocks.1",), ("",)]
+    # no repeated block (an MLP's two Linears are not blocks): the whole model stays one group, and the note says so
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    m = migrate("deepspeed", write(tmp_path, "ds.json", ZERO3), model=mlp)
+    assert m.config.wrap == [] and "no repeated block list: the whole model is one group" in m.notes[0]
+
+
+def test_cli_model_names_the_block_and_a_named_class_or_no_wrap_is_kept(llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.yaml"
+    ds = write(tmp_path, "ds.json", ZERO3)
+    assert main(["migrate", "--from", "deepspeed", str(ds), "--model", str(llama_dir), "-o", str(out)]) == 0
+    assert fl.FSDPConfig.from_yaml(out).wrap[0].match.class_ == ["LlamaDecoderLayer"]
+    named = write(
+        tmp_path, "named.json", {**ZERO3, "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block"]}}}
+    )
+    assert [r.match.class_ for r in migrate("deepspeed", named, model=meta_llama()).config.wrap] == [["Block"]]
+    no_wrap = "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n"
+    m = migrate("accelerate", write(tmp_path, "a.yaml", no_wrap))
+    assert m.config.wrap == [] and not m.notes
+    assert "whole model is one group" in {k.key: k for k in m.keys}["fsdp_config.fsdp_auto_wrap_policy"].detail
+
+
+def test_explain_suggests_the_repeated_block_class_for_a_large_module_in_the_root() -> None:
+    from fsdp2lite.cli.explain import explain_config
+
+    suggestions = {m.path: m.suggestion for m in explain_config(meta_llama(), fl.FSDPConfig(), 8).large_in_root}
+    assert suggestions["model"] == "- match: {class: LlamaDecoderLayer}"  # not {path: model}: the whole stack
+    suggestions = {m.path: m.suggestion for m in explain_config(Stack(), fl.FSDPConfig(), 8).large_in_root}
+    assert suggestions == {"body": "- match: {class: Block}", "table": "- match: {path: table}"}  # a leaf: itself
+    mlp = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
+    wrapped = nn.ModuleDict({"mlp": mlp})
+    assert [m.suggestion for m in explain_config(wrapped, fl.FSDPConfig(), 8).large_in_root] == ["- match: {path: mlp}"]

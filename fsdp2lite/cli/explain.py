@@ -49,6 +49,7 @@ from ..config import (
     plan_config,
 )
 from ..estimate import default_config, sharded_nbytes
+from ..migrate.blocks import block_classes
 from ._args import UsageError, positive_int
 from ._hf_models import FORMS, hf_factory, is_hf_spec
 from .validate import problems_table
@@ -191,9 +192,20 @@ def _large_in_root(model: nn.Module, root_ids: set[int], ignored: set[int], tota
     large = []
     for path, module, nbytes in found:
         name = type(module).__name__
-        rule = f"- match: {{class: {name}}}" if classes[name] > 1 else f"- match: {{path: {path}}}"
-        large.append(LargeModule(path, name, nbytes, nbytes / total_bytes, rule))
+        large.append(LargeModule(path, name, nbytes, nbytes / total_bytes, _suggest_rule(path, module, classes)))
     return large
+
+
+def _suggest_rule(path: str, module: nn.Module, classes: Counter[str]) -> str:
+    """A wrap rule for a large module left in the root: one group per block when it holds repeated blocks
+    (its ``_no_split_modules``, or a list of same-class modules with half its parameters or more: the whole
+    stack as one group would all-gather at once), else one group of it or of every module of its class."""
+    blocks = block_classes(module, min_share=0.5)
+    if blocks is not None:
+        names = blocks.classes
+        return f"- match: {{class: {names[0] if len(names) == 1 else '[' + ', '.join(names) + ']'}}}"
+    name = type(module).__name__
+    return f"- match: {{class: {name}}}" if classes[name] > 1 else f"- match: {{path: {path}}}"
 
 
 def _root_only_modules(model: nn.Module, root_ids: set[int], ignored: set[int]) -> Iterator[tuple[str, nn.Module, int]]:

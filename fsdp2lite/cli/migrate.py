@@ -1,12 +1,13 @@
 """``fsdp2lite migrate``: bring an Accelerate, HF Trainer, DeepSpeed or torchtitan setup over.
 
-    fsdp2lite migrate --from deepspeed ds_config.json -o fsdp2lite.yaml
+    fsdp2lite migrate --from deepspeed ds_config.json -o fsdp2lite.yaml --model path/to/hf_model_dir
     fsdp2lite migrate --from hf-trainer fsdp_config.json --fsdp "full_shard auto_wrap" --json
 
 Every input key gets a row: mapped (to what), dropped (no equivalent in FSDP2-style sharding, and
 why), unsupported (what is missing), or unknown (a typo? the closest key the tool has). The policy
-file goes to ``-o`` (stdout without it), a comment on each key naming its source. Exit 1 when a key
-is unknown or the input cannot be migrated.
+file goes to ``-o`` (stdout without it), a comment on each key naming its source. An input that names no
+layer class still gets one group per repeated block: ``--model``'s, else the known Hugging Face decoder
+layers; a note under the table says which. Exit 1 when a key is unknown or the input cannot be migrated.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp", metavar="OPTIONS", help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap"')
     parser.add_argument("--world-size", type=positive_int, help="deepspeed MiCS: the job's world size")
     parser.add_argument(
-        "--model", metavar="MODEL", help="size-based wrapping: the model (as estimate's --model), to name its modules"
+        "--model",
+        metavar="MODEL",
+        help="the model (as explain's --model): its repeated block is wrapped when the input names no layer class "
+        "(default: the known Hugging Face decoder layers), and size-based wrapping names its modules",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]cannot migrate:[/red] {exc}")
         return 1
     console.print(report_table(migration))
+    for note in migration.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     text = migration.yaml()
     if args.output:
         Path(args.output).write_text(text)
@@ -66,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             "input": migration.path,
             "config": migration.config.model_dump(mode="json", by_alias=True),
             "keys": [vars(k) for k in migration.keys],
+            "notes": migration.notes,
         }
         print(json.dumps(record))
     return 1 if migration.unknown else 0

@@ -9,6 +9,11 @@ Each source is a table from its keys (dotted paths into the parsed file; ``prefi
 sections) to a handler that writes fsdp2lite keys, or to the reason it has no equivalent. A key in no
 table is ``unknown``, with the closest key the tool does have. Files are read with ``json``,
 ``yaml.safe_load`` and ``tomllib``.
+
+When no key names the layer class (a DeepSpeed config, Accelerate without
+``fsdp_transformer_layer_cls_to_wrap``), the config still gets one group per repeated block
+(``blocks.add_default_blocks``): ``--model``'s own, else the Hugging Face decoder layers of
+``configs/hf_causal_lm.yaml``; ``Migration.notes`` says which.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import yaml
 
 from .accelerate import ACCELERATE, HF_TRAINER, hf_option, size_based_groups
+from .blocks import add_default_blocks
 from .common import SOURCES, KeyReport, Migration, MigrationError, Rule, Status, add_block_rule
 from .deepspeed import DEEPSPEED
 from .torchtitan import TORCHTITAN
@@ -98,6 +104,7 @@ def migrate(
     if source == "hf-trainer" and isinstance(data.get("fsdp_config"), dict):
         data = data["fsdp_config"]  # TrainingArguments as JSON: the FSDP part
     _check_format(source, path, data)
+    flat = _flatten(data)
     m = Migration(source, str(path), model=model)
     if world_size is not None:
         m.data["_world_size"] = world_size
@@ -105,30 +112,42 @@ def migrate(
         m.data["_machines"] = data["num_machines"]
     if source == "torchtitan":  # its parallelize applies fully_shard to each TransformerBlock, then the model
         add_block_rule(m, ["TransformerBlock"], "torchtitan: one fully_shard per TransformerBlock")
-    table = TABLES[source]
-    flat = _flatten(data)
-    first = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params")  # rules before what checkpoints them
-    ordered = sorted(flat, key=lambda k: (not k.endswith(first), k))
-    for key in ordered:
-        value = flat[key]
-        rule = _rule_for(table, key)
-        shown = json.dumps(value) if not isinstance(value, str) else value
-        if rule is None:
-            close = difflib.get_close_matches(key, [k for k in table if not k.endswith(".*")], n=1, cutoff=0.6)
-            detail = f"did you mean {close[0]!r}?" if close else f"not a {source} key fsdp2lite knows"
-            m.keys.append(KeyReport(key, shown, "unknown", detail))
-        elif callable(rule):
-            mapped = rule(m, value)
-            status: Status = "unsupported" if mapped.startswith("unsupported") else "mapped"
-            m.keys.append(KeyReport(key, shown, status, mapped.removeprefix("unsupported: ")))
-        else:
-            m.keys.append(KeyReport(key, shown, rule[0], rule[1]))
+    for key in sorted(k for k in flat if k.endswith(_WRAP_KEYS)):  # the keys that name the groups
+        m.keys.append(_map_key(m, key, flat[key]))
+    if not m.data.get("wrap") and not m.root_only:
+        add_default_blocks(m)
+    for key in sorted(k for k in flat if not k.endswith(_WRAP_KEYS)):
+        m.keys.append(_map_key(m, key, flat[key]))
     if fsdp_option:
         m.keys.extend(hf_option(m, fsdp_option))
-    for private in ("_world_size", "_machines"):
-        m.data.pop(private, None)
+    for private in [key for key in m.data if key.startswith("_")]:
+        m.data.pop(private)
     m.config  # noqa: B018  (raises MigrationError for values that do not make a valid config)
     return m
+
+
+# keys that name the groups go first: a default block rule is added only when none does, and checkpointing
+# needs the rules
+_WRAP_KEYS = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params", "auto_wrap_policy")
+
+
+def _map_key(m: Migration, key: str, value: Any) -> KeyReport:
+    """One input key's report row, running its handler (which writes fsdp2lite keys into ``m``)."""
+    table = TABLES[m.source]
+    rule = _rule_for(table, key)
+    shown = json.dumps(value) if not isinstance(value, str) else value
+    if rule is None:
+        close = difflib.get_close_matches(key, [k for k in table if not k.endswith(".*")], n=1, cutoff=0.6)
+        detail = f"did you mean {close[0]!r}?" if close else f"not a {m.source} key fsdp2lite knows"
+        return KeyReport(key, shown, "unknown", detail)
+    if not callable(rule):
+        return KeyReport(key, shown, rule[0], rule[1])
+    mapped = rule(m, value)
+    statuses: tuple[Status, ...] = ("unsupported", "dropped")  # a handler's "unsupported: why" / "dropped: why"
+    for status in statuses:
+        if mapped.startswith(status):
+            return KeyReport(key, shown, status, mapped.removeprefix(f"{status}: "))
+    return KeyReport(key, shown, "mapped", mapped)
 
 
 def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:

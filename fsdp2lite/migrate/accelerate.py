@@ -53,8 +53,11 @@ def _strategy(m: Migration, value: Any, origin: str) -> str:
 def _wrap_policy(m: Migration, value: Any, origin: str) -> str:
     if value in ("TRANSFORMER_BASED_WRAP", "transformer_based_wrap"):
         return "class rules from the transformer layer classes"
-    if value in ("NO_WRAP", None):
-        return "nothing (the root only)"
+    if value in ("NO_WRAP", "no_wrap"):
+        m.root_only = True
+        return "nothing: the whole model is one group, as NO_WRAP asks (no block rule is added)"
+    if value is None:
+        return "nothing (no policy named)"
     if value in ("SIZE_BASED_WRAP", "size_based_wrap"):
         return "size-based: path rules from min_num_params and --model"
     raise MigrationError(f"{m.path}: {origin} {value!r}: expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")

@@ -32,7 +32,9 @@ class Migration:
     data: dict[str, Any] = field(default_factory=dict)  # FSDPConfig fields
     origins: dict[str, str] = field(default_factory=dict)  # fsdp2lite key -> input key(s)
     keys: list[KeyReport] = field(default_factory=list)
-    model: Any = None  # for size-based wrapping: the model (built on meta) whose modules are named
+    model: Any = None  # --model, built on meta: names its repeated block and, for size-based wrapping, its modules
+    root_only: bool = False  # the input asks for no wrapping (NO_WRAP): no block rule is added
+    notes: list[str] = field(default_factory=list)  # what the user should know beyond the key rows
 
     @property
     def config(self) -> FSDPConfig:
@@ -52,6 +54,7 @@ class Migration:
         """The policy file: ``config.to_yaml()`` with a comment on each key that came from the input
         (top-level keys and the mapping keys under them, e.g. ``mixed_precision.param_dtype``)."""
         lines = [f"# migrated by fsdp2lite migrate --from {self.source} {self.path}"]
+        lines += [f"# note: {note}" for note in self.notes]
         parent = ""
         for line in self.config.to_yaml().splitlines():
             key = line.strip().split(":", 1)[0]
