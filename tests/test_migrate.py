@@ -469,3 +469,70 @@ def test_explain_suggests_the_repeated_block_class_for_a_large_module_in_the_roo
     mlp = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
     wrapped = nn.ModuleDict({"mlp": mlp})
     assert [m.suggestion for m in explain_config(wrapped, fl.FSDPConfig(), 8).large_in_root] == ["- match: {path: mlp}"]
+
+
+# ---- Accelerate's strategies and torchtitan's degrees, one by one --------------------------------
+@pytest.mark.parametrize(
+    ("strategy", "machines", "reshard", "replicate"),
+    [
+        ("FULL_SHARD", None, True, 1),
+        ("1", None, True, 1),
+        ("SHARD_GRAD_OP", None, False, 1),  # FSDP1's SHARD_GRAD_OP is FSDP2's reshard_after_forward=False
+        ("2", None, False, 1),
+        ("HYBRID_SHARD", 2, True, 2),  # shard within a machine, replicate across the machines
+        ("4", 3, True, 3),
+        ("HYBRID_SHARD_ZERO2", 2, False, 2),  # the same, with SHARD_GRAD_OP within a machine
+        ("5", 2, False, 2),
+    ],
+)
+def test_accelerate_strategies(
+    strategy: str, machines: int | None, reshard: bool, replicate: int, tmp_path: Path
+) -> None:
+    text = f"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: '{strategy}'\n"
+    text += f"  fsdp_transformer_layer_cls_to_wrap: Block\nnum_machines: {machines}\n" if machines else ""
+    m = migrate("accelerate", write(tmp_path, "a.yaml", text))
+    assert (m.config.reshard_after_forward, m.config.mesh.replicate) == (reshard, replicate)
+    if replicate > 1:
+        assert m.config.mesh.resolve(8 * replicate) == (replicate, 8)  # 8 GPUs a machine: shard 8
+
+
+def test_accelerate_hybrid_without_num_machines_is_unsupported(tmp_path: Path) -> None:
+    m = migrate(
+        "accelerate",
+        write(tmp_path, "a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"),
+    )
+    report = {k.key: k for k in m.keys}["fsdp_config.fsdp_sharding_strategy"]
+    assert report.status == "unsupported" and "needs num_machines" in report.detail
+    bad = "distributed_type: FSDP\nnum_machines: two\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"
+    with pytest.raises(MigrationError, match=r"num_machines 'two': expected an int >= 1"):
+        migrate("accelerate", write(tmp_path, "b.yaml", bad))
+
+
+@pytest.mark.parametrize(
+    ("replicate", "shard", "world", "expected"),
+    [(1, -1, 8, (1, 8)), (2, -1, 8, (2, 4)), (2, 4, 8, (2, 4)), (4, 2, 8, (4, 2))],
+)
+def test_torchtitan_degrees(replicate: int, shard: int, world: int, expected: tuple[int, int], tmp_path: Path) -> None:
+    text = f"[parallelism]\ndata_parallel_replicate_degree = {replicate}\ndata_parallel_shard_degree = {shard}\n"
+    config = migrate("torchtitan", write(tmp_path, "t.toml", text)).config
+    assert (config.mesh.replicate, config.mesh.shard) == (replicate, shard)
+    assert config.mesh.resolve(world) == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        (
+            'data_parallel_shard_degree = "two"',
+            r"parallelism.data_parallel_shard_degree 'two': expected an int >= 1 or -1",
+        ),
+        (
+            "data_parallel_replicate_degree = -1",
+            r"parallelism.data_parallel_replicate_degree -1: expected an int >= 1$",
+        ),
+        ("data_parallel_shard_degree = 0", r"data_parallel_shard_degree 0: expected an int >= 1 or -1"),
+    ],
+)
+def test_torchtitan_bad_degrees(line: str, match: str, tmp_path: Path) -> None:
+    with pytest.raises(MigrationError, match=match):
+        migrate("torchtitan", write(tmp_path, "t.toml", f"[parallelism]\n{line}\n"))

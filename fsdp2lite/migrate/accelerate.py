@@ -14,6 +14,7 @@ from .common import (
     MigrationError,
     Rule,
     add_block_rule,
+    as_int,
     checkpoint_blocks,
     set_key,
     set_return,
@@ -44,8 +45,9 @@ def _strategy(m: Migration, value: Any, origin: str) -> str:
     if name.startswith("HYBRID"):
         machines = m.data.pop("_machines", None)
         if machines is None:
-            return f"{mapped}; unsupported: the HSDP mesh (replicate = number of machines) needs num_machines"
-        set_key(m, "mesh.replicate", int(machines), f"{origin} + num_machines")
+            return f"unsupported: the HSDP mesh (replicate = number of machines) needs num_machines ({mapped} is set)"
+        machines = as_int(m, "num_machines", machines)
+        set_key(m, "mesh.replicate", machines, f"{origin} + num_machines")
         mapped += f", mesh.replicate: {machines} (one replica per machine)"
     return mapped
 
@@ -172,10 +174,13 @@ ACCELERATE: dict[str, Rule] = {
     "num_machines": ("dropped", "used for HYBRID_SHARD's replicate degree"),
     **_fsdp_keys("fsdp_config.fsdp_"),
     "parallelism_config.parallelism_config_dp_replicate_size": lambda m, v: set_return(
-        m, "mesh.replicate", int(v), "parallelism_config_dp_replicate_size"
+        m,
+        "mesh.replicate",
+        as_int(m, "parallelism_config_dp_replicate_size", v),
+        "parallelism_config_dp_replicate_size",
     ),
     "parallelism_config.parallelism_config_dp_shard_size": lambda m, v: set_return(
-        m, "mesh.shard", int(v), "parallelism_config_dp_shard_size"
+        m, "mesh.shard", as_int(m, "parallelism_config_dp_shard_size", v), "parallelism_config_dp_shard_size"
     ),
     "parallelism_config.parallelism_config_tp_size": lambda m, v: (
         "nothing (1)" if int(v) <= 1 else f"unsupported: tensor parallel {v} (apply it in code first)"

@@ -3,6 +3,7 @@ helpers handlers write fsdp2lite keys with."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -106,6 +107,18 @@ DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
 
 
 LOOP_SETTING = "a training-loop setting, not sharding"
+
+
+def as_int(m: Migration, key: str, value: Any, *, auto: bool = False) -> int:
+    """``value`` as a rank count (an int >= 1; with ``auto``, -1 too: the remaining ranks), or a
+    ``MigrationError`` naming ``key``; booleans and fractions are refused, not rounded."""
+    number = value
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        number = int(value)  # a TOML/YAML string such as "4"
+    if isinstance(number, int) and not isinstance(number, bool) and (number >= 1 or (auto and number == -1)):
+        return number
+    allowed = "an int >= 1 or -1 (the remaining ranks)" if auto else "an int >= 1"
+    raise MigrationError(f"{m.path}: {key} {value!r}: expected {allowed}")
 
 
 def set_return(m: Migration, path: str, value: Any, origin: str) -> str:

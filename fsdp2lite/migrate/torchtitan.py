@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Rule, checkpoint_blocks, set_key
+from .common import (
+    DTYPES,
+    LOOP_SETTING,
+    Handler,
+    Migration,
+    MigrationError,
+    Rule,
+    as_int,
+    checkpoint_blocks,
+    set_key,
+)
 
 
 def _tt_degree(key: str, target: str) -> Handler:
+    """torchtitan's dp_replicate (>= 1) and dp_shard (-1: the ranks the other degrees leave) degrees."""
+
     def handle(m: Migration, value: Any) -> str:
-        set_key(m, f"mesh.{target}", int(value), f"parallelism.{key}")
-        return f"mesh.{target}: {int(value)}"
+        degree = as_int(m, f"parallelism.{key}", value, auto=target == "shard")
+        set_key(m, f"mesh.{target}", degree, f"parallelism.{key}")
+        return f"mesh.{target}: {degree}"
 
     return handle
 
