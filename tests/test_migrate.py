@@ -1,4 +1,4 @@
-"""``fsdp2lite migrate``: real-world configs of Accelerate, the HF Trainer, DeepSpeed and torchtitan.
+"""``fsdp2lite migrate``: real-world configs of Accelerate, the HF Trainer, DeepSpeed, torchtitan and Megatron-FSDP.
 
 Each fixture (tests/migrate/) becomes a config that plans the sharding the source tool would do:
 the groups (one per block class), the mesh, reshard after forward, the dtypes, offload; every input
@@ -127,6 +127,31 @@ CASES = {
             "checkpointing": False,
         },
     ),
+    "megatron_fsdp_zero2.json": (
+        "megatron-fsdp",
+        {},
+        {
+            "resident": True,  # optim_grads: sharding.shard optimizer
+            "reshard_after_forward": "auto",
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "offload": "none",
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
+    "megatron_bridge_hsdp.yaml": (
+        "megatron-fsdp",
+        {},
+        {
+            "reshard_after_forward": True,
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "offload": "none",
+            "replicate": 2,
+            "checkpointing": False,
+        },
+    ),
     "torchtitan_llama3_8b.toml": (
         "torchtitan",
         {},
@@ -239,6 +264,8 @@ def test_unknown_keys_get_a_suggestion_and_exit_1(tmp_path: Path, capsys: pytest
             r"NO_SHARD.*use DDP",
         ),
         ("torchtitan", "[parallelism\n", "t.toml", r"not valid TOML"),
+        ("megatron-fsdp", "{not json", "m.json", r"not valid JSON for --from megatron-fsdp"),
+        ("megatron-fsdp", "ddp: [optim\n", "m.yaml", r"not valid YAML for --from megatron-fsdp"),
         (
             "torchtitan",
             '[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n',
@@ -318,6 +345,7 @@ def tiny_gpt() -> GPT:
         "hf_trainer.json",
         "deepspeed_zero3_offload.json",
         "deepspeed_zero2.json",
+        "megatron_fsdp_zero2.json",
         "torchtitan_llama3_8b.toml",
     ],
 )
@@ -469,6 +497,139 @@ def test_explain_suggests_the_repeated_block_class_for_a_large_module_in_the_roo
     mlp = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
     wrapped = nn.ModuleDict({"mlp": mlp})
     assert [m.suggestion for m in explain_config(wrapped, fl.FSDPConfig(), 8).large_in_root] == ["- match: {path: mlp}"]
+
+
+# ---- Megatron-FSDP -------------------------------------------------------------------------------
+def _hfsdp_built() -> bool:
+    try:
+        fl.ShardingPolicy(replicate="optimizer")
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("value", "shard", "reshard"),
+    [
+        ("optim", "optimizer", "auto"),  # ZeRO-1: parameters resident, optimizer state sharded
+        ("optim_grads", "optimizer", "auto"),  # ZeRO-2: the same mode here (a reduce-scatter shards gradients)
+        ("optim_grads_params", "params", True),  # ZeRO-3
+        (1, "optimizer", "auto"),  # fully_shard's ints
+        (2, "optimizer", "auto"),
+        (3, "params", True),
+    ],
+)
+@pytest.mark.parametrize("layout", ["flat.json", "ddp.yaml", "megatron_fsdp.yaml", "zero_dp_strategy.json"])
+def test_megatron_strategies(value: str | int, shard: str, reshard: object, layout: str, tmp_path: Path) -> None:
+    keys = {"data_parallel_sharding_strategy": value, "fsdp_unit_modules": ["megatron.core.transformer.Block"]}
+    if layout == "zero_dp_strategy.json":  # fully_shard's name for the same key
+        keys = {"zero_dp_strategy": value, "fsdp_unit_modules": ["Block"]}
+    data = {layout.split(".")[0]: keys} if layout.endswith(".yaml") else keys
+    m = migrate("megatron-fsdp", write(tmp_path, layout, json.dumps(data)))
+    assert (m.config.sharding.shard, m.config.reshard_after_forward) == (shard, reshard)
+    assert groups_of(m.config, GPT(TINY)) == [("blocks.0",), ("blocks.1",), ("",)]  # unit classes by last name
+    assert not m.unknown and not m.notes
+
+
+def test_megatron_hsdp_and_hfsdp(tmp_path: Path) -> None:
+    """num_distributed_optimizer_instances is the outer (replicate) size; outer no_shard is HSDP, optim is
+    HFSDP (sharding.replicate: optimizer), which needs that size."""
+    base = {"data_parallel_sharding_strategy": "optim_grads_params", "num_distributed_optimizer_instances": 4}
+    m = migrate("megatron-fsdp", write(tmp_path, "hsdp.json", {**base, "outer_dp_sharding_strategy": "no_shard"}))
+    assert (m.config.mesh.replicate, m.config.sharding.replicate) == (4, "none")
+    assert m.config.mesh.resolve(16) == (4, 4)
+    hfsdp = write(tmp_path, "hfsdp.json", {**base, "outer_dp_sharding_strategy": "optim"})
+    if _hfsdp_built():
+        m = migrate("megatron-fsdp", hfsdp)
+        assert (m.config.mesh.replicate, m.config.sharding.shard, m.config.sharding.replicate) == (
+            4,
+            "params",
+            "optimizer",
+        )
+        assert "HFSDP" in {k.key: k for k in m.keys}["outer_dp_sharding_strategy"].detail
+    else:  # the mapping is written; the policy refuses it until HFSDP is built
+        with pytest.raises(MigrationError, match="sharding.*replicate: optimizer.*not built yet"):
+            migrate("megatron-fsdp", hfsdp)
+    no_size = write(tmp_path, "nosize.json", {"data_parallel_sharding_strategy": 3, "outer_dp_sharding_strategy": 1})
+    m = migrate("megatron-fsdp", no_size)
+    report = {k.key: k for k in m.keys}["outer_dp_sharding_strategy"]
+    assert report.status == "unsupported" and "num_distributed_optimizer_instances > 1" in report.detail
+    assert m.config.sharding.replicate == "none"
+
+
+def test_megatron_dtypes_and_report(tmp_path: Path) -> None:
+    m = migrate("megatron-fsdp", FIXTURES / "megatron_bridge_hsdp.yaml")
+    by_key = {k.key: k for k in m.keys}
+    assert by_key["ddp.overlap_grad_reduce"].detail == "schedule.overlap_reduce_scatter: true"
+    assert m.config.schedule.overlap_reduce_scatter is True
+    assert by_key["ddp.nccl_ub"].status == "dropped" and by_key["train.micro_batch_size"].status == "dropped"
+    assert by_key["ddp.keep_fp8_transpose_cache"].detail == "nothing (off)"
+    m = migrate("megatron-fsdp", FIXTURES / "megatron_fsdp_zero2.json")
+    by_key = {k.key: k for k in m.keys}
+    assert "set_gradient_divide_factor(1.0)" in by_key["calculate_per_token_loss"].detail
+    assert "ZeRO-2" in by_key["data_parallel_sharding_strategy"].detail
+    on = write(tmp_path, "fp8.json", {"data_parallel_sharding_strategy": "optim", "fp8_param_gather": True})
+    assert statuses(migrate("megatron-fsdp", on))["fp8_param_gather"] == "unsupported"
+    typo = write(tmp_path, "typo.yaml", "ddp:\n  data_parallel_sharding_strategy: optim\n  overlap_grad_reduc: true\n")
+    [unknown] = migrate("megatron-fsdp", typo).unknown
+    assert unknown.detail == "did you mean 'ddp.overlap_grad_reduce'?"
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (
+            {"data_parallel_sharding_strategy": "no_shard"},
+            r"data_parallel_sharding_strategy no_shard shards nothing \(data parallelism\): use DDP; optim, optim_",
+        ),
+        ({"ddp": {"zero_dp_strategy": 0}}, r"ddp.zero_dp_strategy no_shard shards nothing"),
+        (
+            {"data_parallel_sharding_strategy": "zero3"},
+            r"data_parallel_sharding_strategy 'zero3': expected one of no_shard, optim, optim_grads, "
+            r"optim_grads_params \(or 0-3",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim", "outer_dp_sharding_strategy": "optim_grads"},
+            r"outer_dp_sharding_strategy 'optim_grads': expected one of no_shard, optim \(or 0-1",
+        ),
+        (
+            {
+                "data_parallel_sharding_strategy": "optim_grads",
+                "outer_dp_sharding_strategy": "optim",
+                "num_distributed_optimizer_instances": 2,
+            },
+            r"outer_dp_sharding_strategy optim \(HFSDP\) needs data_parallel_sharding_strategy optim_grads_params, "
+            r"got 'optim_grads'",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim", "num_distributed_optimizer_instances": 0},
+            r"num_distributed_optimizer_instances 0: expected an int >= 1",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim", "zero_dp_strategy": 3},
+            r"zero_dp_strategy 'optim_grads_params' contradicts data_parallel_sharding_strategy 'optim'",
+        ),
+        ({"use_megatron_fsdp": True}, r"names no data_parallel_sharding_strategy \(or zero_dp_strategy\)"),
+        ({"data_parallel_sharding_strategy": "optim", "fsdp_unit_modules": 3}, r"fsdp_unit_modules 3: expected a list"),
+        ({"data_parallel_sharding_strategy": "optim", "overlap_grad_reduce": "yes"}, r"'yes': expected true or false"),
+        ({"train": {"micro_batch_size": 1}}, r"does not look like a megatron-fsdp config"),
+    ],
+)
+def test_megatron_bad_values_name_key_value_and_valid_values(data: dict, match: str, tmp_path: Path) -> None:
+    with pytest.raises(MigrationError, match=match):
+        migrate("megatron-fsdp", write(tmp_path, "m.json", data))
+
+
+def test_megatron_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.yaml"
+    assert (
+        main(["migrate", "--from", "megatron-fsdp", str(FIXTURES / "megatron_bridge_hsdp.yaml"), "-o", str(out)]) == 0
+    )
+    assert main(["validate", str(out)]) == 0
+    config = fl.FSDPConfig.from_yaml(out)
+    assert (config.mesh.replicate, config.sharding.shard, config.wrap[0].match.class_) == (2, "params", ["Block"])
+    assert main(["migrate", "--help"]) == 0
+    assert "megatron-fsdp" in capsys.readouterr().out
 
 
 # ---- Accelerate's strategies and torchtitan's degrees, one by one --------------------------------

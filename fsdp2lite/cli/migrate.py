@@ -1,7 +1,8 @@
-"""``fsdp2lite migrate``: bring an Accelerate, HF Trainer, DeepSpeed or torchtitan setup over.
+"""``fsdp2lite migrate``: bring an Accelerate, HF Trainer, DeepSpeed, torchtitan or Megatron-FSDP setup over.
 
     fsdp2lite migrate --from deepspeed ds_config.json -o fsdp2lite.yaml --model path/to/hf_model_dir
     fsdp2lite migrate --from hf-trainer fsdp_config.json --fsdp "full_shard auto_wrap" --json
+    fsdp2lite migrate --from megatron-fsdp megatron_fsdp.yaml
 
 Every input key gets a row: mapped (to what), dropped (no equivalent in FSDP2-style sharding, and
 why), unsupported (what is missing), or unknown (a typo? the closest key the tool has). The policy
@@ -24,8 +25,9 @@ from ..migrate import SOURCES, Migration, MigrationError, migrate
 from ._args import positive_int
 
 DESCRIPTION = (
-    "Turn an Accelerate FSDP config, HF Trainer fsdp_config, DeepSpeed ZeRO config or torchtitan TOML into an "
-    "fsdp2lite policy file, with a report of what maps, what is dropped and why, and what is not supported."
+    "Turn an Accelerate FSDP config, HF Trainer fsdp_config, DeepSpeed ZeRO config, torchtitan TOML or Megatron-FSDP "
+    "config (YAML/JSON) into an fsdp2lite policy file, with a report of what maps, what is dropped and why, and what "
+    "is not supported."
 )
 STYLES = {"mapped": "green", "dropped": "dim", "unsupported": "yellow", "unknown": "bold red"}
 

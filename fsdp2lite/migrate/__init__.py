@@ -1,4 +1,5 @@
-"""``fsdp2lite migrate``: an Accelerate, HF Trainer, DeepSpeed or torchtitan setup as an fsdp2lite config.
+"""``fsdp2lite migrate``: an Accelerate, HF Trainer, DeepSpeed, torchtitan or Megatron-FSDP setup as an fsdp2lite
+config.
 
     m = migrate("deepspeed", "ds_config.json")
     m.config            # an FSDPConfig: what apply_config applies
@@ -29,11 +30,18 @@ from .accelerate import ACCELERATE, HF_TRAINER, hf_option, size_based_groups
 from .blocks import add_default_blocks
 from .common import SOURCES, KeyReport, Migration, MigrationError, Rule, Status, add_block_rule
 from .deepspeed import DEEPSPEED
+from .megatron import MEGATRON_FSDP, check_megatron
 from .torchtitan import TORCHTITAN
 
 __all__ = ["SOURCES", "KeyReport", "Migration", "MigrationError", "migrate", "read_input", "size_based_groups"]
 
-TABLES = {"accelerate": ACCELERATE, "hf-trainer": HF_TRAINER, "deepspeed": DEEPSPEED, "torchtitan": TORCHTITAN}
+TABLES = {
+    "accelerate": ACCELERATE,
+    "hf-trainer": HF_TRAINER,
+    "deepspeed": DEEPSPEED,
+    "torchtitan": TORCHTITAN,
+    "megatron-fsdp": MEGATRON_FSDP,
+}
 
 
 def read_input(source: str, path: str | Path) -> dict[str, Any]:
@@ -44,15 +52,17 @@ def read_input(source: str, path: str | Path) -> dict[str, Any]:
         raise MigrationError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise MigrationError(f"{path}: not a text file") from None
+    kind = {"torchtitan": "TOML", "accelerate": "YAML"}.get(source, "JSON")
+    if source == "megatron-fsdp":
+        kind = "JSON" if path.suffix == ".json" else "YAML"  # its own config is either
     try:
-        if source == "torchtitan":
+        if kind == "TOML":
             data: Any = _toml().loads(text)
-        elif source == "accelerate":
+        elif kind == "YAML":
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
     except Exception as exc:  # each parser has its own error types
-        kind = {"torchtitan": "TOML", "accelerate": "YAML"}.get(source, "JSON")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MigrationError(f"{path}: not valid {kind} for --from {source}: {first}") from None
     if not isinstance(data, dict):
@@ -105,6 +115,8 @@ def migrate(
         data = data["fsdp_config"]  # TrainingArguments as JSON: the FSDP part
     _check_format(source, path, data)
     flat = _flatten(data)
+    if source == "megatron-fsdp":
+        check_megatron(path, flat)
     m = Migration(source, str(path), model=model)
     if world_size is not None:
         m.data["_world_size"] = world_size
@@ -112,11 +124,12 @@ def migrate(
         m.data["_machines"] = data["num_machines"]
     if source == "torchtitan":  # its parallelize applies fully_shard to each TransformerBlock, then the model
         add_block_rule(m, ["TransformerBlock"], "torchtitan: one fully_shard per TransformerBlock")
-    for key in sorted(k for k in flat if k.endswith(_WRAP_KEYS)):  # the keys that name the groups
+    phases = [sorted(k for k in flat if _phase(k) == phase) for phase in range(3)]
+    for key in phases[0]:  # the keys that name the groups
         m.keys.append(_map_key(m, key, flat[key]))
     if not m.data.get("wrap") and not m.root_only:
-        add_default_blocks(m)
-    for key in sorted(k for k in flat if not k.endswith(_WRAP_KEYS)):
+        add_default_blocks(m, *DEFAULT_UNITS.get(source, ((), "")))
+    for key in phases[1] + phases[2]:
         m.keys.append(_map_key(m, key, flat[key]))
     if fsdp_option:
         m.keys.extend(hf_option(m, fsdp_option))
@@ -126,9 +139,16 @@ def migrate(
     return m
 
 
-# keys that name the groups go first: a default block rule is added only when none does, and checkpointing
-# needs the rules
-_WRAP_KEYS = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params", "auto_wrap_policy")
+# keys that name the groups go first (a default block rule is added only when none does, and checkpointing
+# needs the rules), keys that read others' values last
+_WRAP_KEYS = ("layer_cls_to_wrap", "leaf_module.classes", "min_num_params", "auto_wrap_policy", "fsdp_unit_modules")
+_LATE_KEYS = ("outer_dp_sharding_strategy",)
+# a source's own default unit, wrapped with the Hugging Face decoder layers when there is no --model
+DEFAULT_UNITS = {"megatron-fsdp": (("TransformerLayer",), "Megatron-LM's default unit")}
+
+
+def _phase(key: str) -> int:
+    return 0 if key.endswith(_WRAP_KEYS) else 2 if key.endswith(_LATE_KEYS) else 1
 
 
 def _map_key(m: Migration, key: str, value: Any) -> KeyReport:
@@ -158,6 +178,13 @@ def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:
         "accelerate": ("distributed_type", "fsdp_config"),
         "deepspeed": ("zero_optimization",),
         "torchtitan": ("parallelism", "training", "job"),
+        "megatron-fsdp": (
+            "data_parallel_sharding_strategy",
+            "zero_dp_strategy",
+            "ddp",
+            "megatron_fsdp",
+            "use_megatron_fsdp",
+        ),
         "hf-trainer": tuple(k for k in HF_TRAINER),
     }[source]
     if not any(key in data for key in expected):

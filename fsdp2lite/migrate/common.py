@@ -11,7 +11,7 @@ from typing import Any, Literal
 from ..config import FSDPConfig, problems_from
 
 Status = Literal["mapped", "dropped", "unsupported", "unknown"]
-SOURCES = ("accelerate", "hf-trainer", "deepspeed", "torchtitan")
+SOURCES = ("accelerate", "hf-trainer", "deepspeed", "torchtitan", "megatron-fsdp")
 
 
 class MigrationError(ValueError):
