@@ -23,8 +23,8 @@ from ._runtime.group import FSDPParamGroup
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._runtime.state import FSDPState
-from ._runtime.zero import make_resident
 from ._snapshot import ModuleSnapshot, all_modules
+from ._stages import apply_sharding, check_parameters, check_sharding, param_class
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
 from .policies import (
@@ -85,24 +85,24 @@ def fully_shard(
         sharding: ``ShardingPolicy(shard="optimizer")`` (or ``ShardingPolicy.zero_stage(1|2)``): ZeRO-1/2, the
             group's unsharded parameters stay resident between steps and are all-gathered once after the
             shards change ([Note: resident groups]); None or ``shard="params"``: ZeRO-3, torch's behaviour.
+            ``ShardingPolicy(replicate="optimizer")`` on a 2D mesh: HFSDP, masters and optimizer state sharded
+            across the replicas too ([Note: replica-sharded groups]); ``replicate="none"``: HSDP.
     """
     _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
-    resident = _check_sharding(sharding, reshard_after_forward)
+    check_reshard_after_forward(reshard_after_forward)
+    sharding = check_sharding(sharding, reshard_after_forward)
     mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy, comm_policy)
     owned = _collect_params(modules, _check_ignored(ignored_params))
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
     _check_group_dtypes(owned, policy, modules)
-    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward)
+    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward, sharding)
     snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
     try:
-        params = tuple(_make_param(entry, dim, mesh_info, policy, mp_policy) for entry, dim in zip(owned, dims))
-        group = _make_group(params, modules, mesh_info, reshard_after_forward, comm_policy, resident)
-        state = FSDPState(modules, group, mp_policy)
-        for m in modules:
-            m._fsdp_state = state  # type: ignore[assignment]
-            m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
+        params = _make_params(owned, dims, mesh_info, policy, mp_policy, sharding)
+        group = _make_group(params, modules, mesh_info, reshard_after_forward, comm_policy, sharding)
+        _install(modules, FSDPState(modules, group, mp_policy))
     except BaseException:
         snapshot.restore()
         raise
@@ -110,14 +110,26 @@ def fully_shard(
     return module
 
 
+def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
+    """Give the modules their state and their FSDP class (the last step of ``fully_shard``)."""
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]
+        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
+
+
 def _checked_dims(
-    shard_placement_fn: Any, owned: Any, mesh_info: MeshInfo, reshard_after_forward: bool | int | None
+    shard_placement_fn: Any,
+    owned: Any,
+    mesh_info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    sharding: ShardingPolicy | None,
 ) -> list[int]:
-    """Each owned parameter's shard dim, after checking tensor-parallel parameters against the mesh and the
-    dims against a k-rank ``reshard_after_forward``."""
+    """Each owned parameter's shard dim, after checking tensor-parallel parameters against the mesh, the
+    dims against a k-rank ``reshard_after_forward``, and the parameters against ``sharding``'s stages."""
     _check_tp_params(owned, mesh_info)
     dims = _shard_dims(shard_placement_fn, owned)
     _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
+    check_parameters(sharding, mesh_info, owned, dims)
     return dims
 
 
@@ -127,43 +139,15 @@ def _make_group(
     mesh_info: MeshInfo,
     reshard_after_forward: bool | int | None,
     comm_policy: CommPolicy | None,
-    resident: bool,
+    sharding: ShardingPolicy | None,
 ) -> FSDPParamGroup | None:
-    """The call's group (None when it owns no parameter), ZeRO-1/2's resident one for ``resident``."""
+    """The call's group (None when it owns no parameter), with ``sharding``'s stages (``_stages``)."""
     _accept_full_tensors_on_load(params)
     if not params:
         return None
     group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy)
-    if resident:
-        _make_resident(group)
+    apply_sharding(group, sharding)
     return group
-
-
-def _check_sharding(sharding: Any, reshard_after_forward: bool | int | None) -> bool:
-    """``reshard_after_forward`` checked, then whether the group is resident (ZeRO-1/2); TypeError or
-    ValueError for what cannot be."""
-    check_reshard_after_forward(reshard_after_forward)
-    if sharding is None:
-        return False
-    if not isinstance(sharding, ShardingPolicy):
-        raise TypeError(f"sharding must be a fsdp2lite.ShardingPolicy or None, got {type(sharding).__name__}")
-    if sharding.resident and reshard_after_forward not in (None, False):
-        raise ValueError(
-            f"sharding=ShardingPolicy(shard='optimizer') keeps the parameters unsharded between steps (ZeRO-1/2); "
-            f"reshard_after_forward={reshard_after_forward!r} would free them: leave it None (or False)"
-        )
-    return sharding.resident
-
-
-def _make_resident(group: FSDPParamGroup) -> None:
-    odd = [param.fqn for param in group.params if param.extension is not None]
-    if odd:
-        raise ValueError(
-            f"sharding=ShardingPolicy(shard='optimizer') keeps plain unsharded parameters, but these gather "
-            f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(odd)}; shard them with "
-            "shard='params'"
-        )
-    make_resident(group)
 
 
 def _register_composable(modules: tuple[nn.Module, ...]) -> None:
@@ -201,9 +185,15 @@ def _state_of(module: nn.Module) -> FSDPState:
 fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
-def _make_param(entry: Any, dim: int, info: MeshInfo, policy: ParamPolicy, mp_policy: Any) -> FSDPParam:
-    fqn, param, places = entry
-    return FSDPParam(param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy)
+def _make_params(
+    owned: Any, dims: list[int], info: MeshInfo, policy: ParamPolicy, mp_policy: Any, sharding: ShardingPolicy | None
+) -> tuple[FSDPParam, ...]:
+    """The group's parameters, of the class ``sharding`` asks for (HFSDP's keep a piece: ``_stages``)."""
+    kind = param_class(sharding)
+    return tuple(
+        kind(param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy)
+        for (fqn, param, places), dim in zip(owned, dims)
+    )
 
 
 def _check_post_forward(value: Any, info: MeshInfo, owned: list[Any], dims: list[int]) -> None:

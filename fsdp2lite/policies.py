@@ -176,27 +176,21 @@ class ShardingPolicy(BaseModel):
     gradients and optimizer state sharded, each group all-gathered before use and freed after) or
     ``optimizer`` (ZeRO-1/2: the unsharded parameters stay resident between steps; gradients are
     reduce-scattered into the sharded masters, the optimizer steps on shards, and each group is all-gathered
-    once after the shards change). ``replicate``: ``none`` (HSDP's replicas hold whole shards; the only
-    value this version takes)."""
+    once after the shards change). ``replicate``, on a 2-D (replicate, shard) mesh: ``none`` (HSDP: every
+    replica holds whole shards, their gradients all-reduced) or ``optimizer`` (HFSDP: masters and optimizer
+    state sharded across the replicas too, gradients reduce-scattered across them, the shards rebuilt by one
+    all-gather across them after the step)."""
 
     model_config = _FROZEN
 
     shard: Literal["params", "optimizer"] = Field(
         "params", description="params: ZeRO-3 (default); optimizer: ZeRO-1/2, parameters resident between steps"
     )
-    replicate: Literal["none"] = Field(
-        "none", description="none: each replica holds whole shards (HSDP); sharding across replicas is not built yet"
+    replicate: Literal["none", "optimizer"] = Field(
+        "none",
+        description="none: each replica holds whole shards (HSDP, default); optimizer: masters and optimizer state "
+        "sharded across the replicas too (HFSDP, a 2-D mesh)",
     )
-
-    @field_validator("replicate", mode="before")
-    @classmethod
-    def _replicate(cls, value: Any) -> Any:
-        if value == "optimizer":
-            raise ValueError(
-                "replicate: optimizer (HFSDP: masters and optimizer state sharded across the replicas too) is not "
-                "built yet; 'none' (HSDP) is the only value this version takes"
-            )
-        return value
 
     @classmethod
     def zero_stage(cls, stage: int) -> ShardingPolicy:
@@ -205,6 +199,11 @@ class ShardingPolicy(BaseModel):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
         return cls(shard="params" if stage == 3 else "optimizer")
+
+    @property
+    def replica_sharded(self) -> bool:
+        """Masters and optimizer state sharded across the replicas (HFSDP)."""
+        return self.replicate == "optimizer"
 
     @property
     def resident(self) -> bool:

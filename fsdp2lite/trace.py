@@ -138,7 +138,9 @@ def summarize(events: list[dict[str, Any]]) -> list[GroupSummary]:
 def count_wire_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
     """Count the bytes this rank sends in ``model``'s collectives while the block runs, per kind:
     ``all_gather``, ``reduce_scatter`` (a native one), ``all_reduce`` (gloo's in-place reduction),
-    ``all_to_all`` (``CommPolicy.reduce_scatter``) and ``replica_all_reduce`` (HSDP). Counted where each
+    ``all_to_all`` (``CommPolicy.reduce_scatter``), ``replica_all_reduce`` (HSDP; HFSDP's reduce-scatter across
+    replicas on gloo, which runs it as an all-reduce), ``replica_reduce_scatter`` and ``replica_all_gather``
+    (HFSDP: [Note: replica-sharded groups]). Counted where each
     collective is issued, from its buffer's size and group (a ring's share: (N-1)/N of an all-gather's
     output, 2(N-1)/N of an all-reduce's buffer), so the numbers are exact and free of timing.
 

@@ -266,8 +266,6 @@ def test_sharding_policy_and_its_refusals() -> None:
     assert fl.ShardingPolicy.zero_stage(3) == fl.ShardingPolicy() and not fl.ShardingPolicy().resident
     with pytest.raises(ValueError, match="zero_stage must be 1, 2 or 3, got 4"):
         fl.ShardingPolicy.zero_stage(4)
-    with pytest.raises(ValueError, match=r"replicate: optimizer \(HFSDP: .*is not built yet; 'none' \(HSDP\)"):
-        fl.ShardingPolicy(replicate="optimizer")
     with pytest.raises(ValueError, match="shard"):
         fl.ShardingPolicy(shard="everything")
 

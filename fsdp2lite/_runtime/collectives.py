@@ -332,8 +332,10 @@ def finish_reduce_scatter(
     comm: Comm,
     hook: Callable[[torch.Tensor], None] | None = None,
     hook_stream: torch.cuda.Stream | None = None,
+    replicas: Any = None,
 ) -> torch.cuda.Event | None:
-    """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas; average; accumulate into
+    """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas (HFSDP, ``replicas``: a
+    reduce-scatter across them, [Note: replica-sharded groups]); average; accumulate into
     each sharded ``.grad``. Returns an event after the device-to-host gradient copy of CPU offload
     (None when there is none), for the end of backward to wait on.
 
@@ -359,18 +361,30 @@ def finish_reduce_scatter(
             for param, slot in slots:
                 param.keep_partial_reduced_grad(slot)
             return None
-        with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
-            folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
-            work = _all_reduce(output, op=dist.ReduceOp.SUM, group=replicate_group, async_op=comm.async_work)
-            replicas = dist.get_world_size(replicate_group)
-            comm.count("replica_all_reduce", 2 * output.nbytes * (replicas - 1) // replicas)
-        comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
-        del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
+        if replicas is not None:  # HFSDP
+            for param, slot in slots:
+                param.add_partial_reduced_grad(slot)
+            output = replicas.reduce_scatter(output, result.params)
+        else:
+            _all_reduce_replicas(output, slots, replicate_group, comm)
     if divide_factor != 1.0:
         output.div_(divide_factor)
     if hook is not None:  # sees the gradient as it will be stored (averaged), as torch's hook does
         _run_all_reduce_hook(hook, hook_stream, output)
     return accumulate_sharded_grads(output, result.params)
+
+
+def _all_reduce_replicas(
+    output: torch.Tensor, slots: list[tuple[FSDPParam, torch.Tensor]], group: dist.ProcessGroup, comm: Comm
+) -> None:
+    """HSDP: fold kept replica-local sums into the slots, then all-reduce (sum) ``output`` across replicas."""
+    with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
+        folded = [param.add_partial_reduced_grad(slot) for param, slot in slots]
+        work = _all_reduce(output, op=dist.ReduceOp.SUM, group=group, async_op=comm.async_work)
+        replicas = dist.get_world_size(group)
+        comm.count("replica_all_reduce", 2 * output.nbytes * (replicas - 1) // replicas)
+    comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
+    del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
 
 
 def _run_all_reduce_hook(
@@ -412,7 +426,7 @@ def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]
     offset = flat.storage_offset()
     for param in params:
         local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
-        offset += param.padded_numel
+        offset += param.reduced_numel
         if not uniform:
             local = local.to(param.orig_dtype)
         current = param.sharded_param.grad

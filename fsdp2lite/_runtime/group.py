@@ -45,6 +45,7 @@ from .grads import to_one_dtype
 from .param import FSDPParam
 from .post_forward import PostForwardGroup, check_post_forward_dims, check_post_forward_size
 from .quantize import block_segments, copy_out_quantized, encode_group
+from .replicas import ReplicaSync
 from .states import ShardedState, TrainingState
 from .zero import Resident
 
@@ -143,6 +144,7 @@ class FSDPParamGroup:
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
         self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
+        self.replicas: ReplicaSync | None = None  # HFSDP: [Note: replica-sharded groups]
         self.set_comm_policy(comm_policy or CommPolicy())
 
     @property
@@ -210,14 +212,17 @@ class FSDPParamGroup:
     def reset_sharded_params(self) -> None:
         if self.resident is not None:
             self.resident.invalidate()  # the sharded parameters may be new tensors
-        for param in self.params:
-            param.reset_sharded_param()
+        renewed = [param.reset_sharded_param() for param in self.params]  # a list: every parameter looks
+        if self.replicas is not None and any(renewed):
+            self.replicas.invalidate()  # the chunks' other rows hold old values
         self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
+        if self.replicas is not None and self.sharded_state is ShardedState.SHARDED:
+            self.replicas.refresh()  # the pieces the optimizer stepped, back into the chunks
         if self.resident is not None and self.resident.reuse():
             return
         if self.sharded_state is ShardedState.SHARDED:
@@ -309,6 +314,8 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         self.post_forward_buffer = None
         keep = self.resident is not None and not free
+        if self.replicas is not None and free:
+            self.replicas.invalidate()  # an explicit reshard: gather the chunks anew too
         if self.resident is not None and free:
             self.resident.invalidate()
         elif self.sharded_state is ShardedState.SHARDED:
@@ -434,7 +441,7 @@ class FSDPParamGroup:
         with self.trace_span("reduce_scatter_wait"):
             event = finish_reduce_scatter(
                 result, factor, info.replicate_group, self.requires_all_reduce, self.comm,
-                self.all_reduce_hook, self.all_reduce_hook_stream,
+                self.all_reduce_hook, self.all_reduce_hook_stream, self.replicas,
             )  # fmt: skip
         if event is not None:
             self.offload_event = event

@@ -198,6 +198,7 @@ class FSDPParam(GradientState):
             self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
         sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]  # not a TP parameter: see api._check_param
+        self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it: the same view
         self.sharded_param = cast(DTensor, sharded)
         self.unsharded_flat = None
         self.unsharded_local = None
@@ -271,6 +272,12 @@ class FSDPParam(GradientState):
         return self.flat_shard.numel()
 
     @property
+    def reduced_numel(self) -> int:
+        """Elements of this parameter's slot in its group's reduced gradient: its padded shard's (HFSDP: its
+        piece's slot)."""
+        return self.padded_numel
+
+    @property
     def grad_stride(self) -> tuple[int, ...]:
         """Strides of this rank's sharded gradient, a view of the reduced output."""
         return contiguous_stride(self.local_shape) if self.extension is not None else self.local_view.stride()
@@ -294,12 +301,12 @@ class FSDPParam(GradientState):
         """Where this parameter is computed on: the mesh's device when offloaded, else its shard's."""
         return self.mesh_info.device if self.offload_to_cpu else self.padded_shard.device
 
-    def reset_sharded_param(self) -> None:
+    def reset_sharded_param(self) -> bool:
         """Re-adopt the sharded parameter after ``to_empty``/``to``/``load_state_dict(assign=True)``.
 
         Those replace the DTensor's local tensor (or the Parameter itself); the runtime all-gathers
         from ``padded_shard``, so the new local data is copied into a padded buffer and the DTensor
-        is pointed back at a view of it.
+        is pointed back at a view of it. True when the local tensor was a new one.
         """
         registered = self.places[0].module._parameters[self.places[0].name]
         if isinstance(registered, DTensor) and registered is not self.sharded_param:
@@ -308,7 +315,7 @@ class FSDPParam(GradientState):
         # DTensor has no public getter or setter for its local tensor without autograd in between.
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         if local is self.local_view:
-            return  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
+            return False  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
         if self.extension is not None:
             self._adopt_hooked_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
         else:
@@ -321,6 +328,7 @@ class FSDPParam(GradientState):
             self.unsharded_param.device != self.device or self.unsharded_param.dtype != self.param_dtype
         ):
             self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+        return True
 
     def _retype(self, dtype: torch.dtype) -> None:
         """``module.to(dtype)`` after ``fully_shard`` changed the shard's dtype: the spec, the all-gather

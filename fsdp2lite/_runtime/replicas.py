@@ -1,0 +1,219 @@
+"""HFSDP: masters and optimizer state sharded across the replicas too (``ShardingPolicy(replicate="optimizer")``).
+
+[Note: replica-sharded groups]
+On a (replicate R, shard S) mesh an HSDP group keeps on each rank its padded chunk of each parameter along
+the shard axis (the all-gather input, 1/S of the parameter) and registers that chunk, replicated R times,
+as the sharded parameter the optimizer steps: R copies of every master weight and of the optimizer state.
+An HFSDP group keeps the same chunk as its all-gather input but registers only a *piece* of it: the chunk's
+rows split R ways as ``torch.chunk`` splits them, replica r holding piece r. The piece is a view of the
+chunk (the optimizer writes the chunk in place) wrapped in a DTensor placed
+``(_StridedShard(0, split_factor=S), Shard(0))``: pieces of shard-axis chunks, one 1/(R*S) piece per rank,
+which DTensor, ``full_tensor``, ``clip_grad_norm_`` and DCP checkpoints understand.
+
+    P = 5 rows, R = 2, S = 2: chunk s0 = rows 0-2, chunk s1 = rows 3-4 (padded to 3 rows)
+    pieces: (r0, s0) rows 0-1, (r1, s0) row 2, (r0, s1) row 3, (r1, s1) row 4
+
+A step:
+- backward: the shard-axis reduce-scatter, as HSDP; then, where HSDP all-reduces the chunk's gradient across
+  the replicas, a reduce-scatter across them: each chunk's rows laid out rank-major in R equal slots of
+  ``ceil(rows / R)`` rows (zero-padded), so each replica receives the summed gradient of its piece only;
+- the optimizer steps the pieces: its state is 1/(R*S) of the total per rank where HSDP's is 1/S;
+- the next unshard first all-gathers the pieces across the replicas back into the chunk (one collective per
+  group), then runs the shard-axis all-gather as HSDP does.
+
+When the replica all-gather runs: after a backward reduced gradients into the pieces (the same on every
+replica, so all of them take part; an optimizer step is expected to follow), and for any parameter whose
+piece's version counters (the DTensor's and its local tensor's, as [Note: resident groups]) moved since the
+last gather: ``optimizer.step()``, ``copy_``, ``load_state_dict``, a DCP load. Writes through ``.data`` are
+not seen; ``model.reshard()`` marks every chunk stale, so the next forward gathers anew. Chunks are never
+used stale: a forward always sees what the optimizer wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .collectives import _reduce_scatter_flat, reduces_in_place
+from .comm import all_gather_flat
+from .extension import contiguous_stride
+from .param import FSDPParam, make_dtensor
+
+FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+
+
+def piece_rows(local_rows: int, replicas: int, replica: int) -> tuple[int, int, int]:
+    """(start, rows, slot) of replica ``replica``'s piece of a chunk of ``local_rows`` rows: torch.chunk's
+    split into ``replicas`` pieces of ``slot = ceil(local_rows / replicas)`` rows, the last ones shorter
+    or empty (DTensor's ``_StridedShard`` gives the same local shapes)."""
+    slot = math.ceil(local_rows / replicas) if local_rows else 0
+    start = min(replica * slot, local_rows)
+    return start, max(0, min(slot, local_rows - start)), slot
+
+
+class ReplicaShardedParam(FSDPParam):
+    """A parameter of an HFSDP group: the chunk as HSDP's, a piece of it registered ([Note: replica-sharded groups])."""
+
+    piece_start: int  # the piece's first row in the chunk
+    piece_rows: int  # its rows (0 for a replica past the chunk's end)
+    slot_rows: int  # rows of every replica's slot in the replica collectives: ceil(local_rows / R)
+
+    def __init__(self, param: nn.Parameter, *args: Any, **kwargs: Any) -> None:
+        super().__init__(param, *args, **kwargs)
+        info = self.mesh_info
+        replica = info.mesh.get_local_rank(0)
+        self.piece_start, self.piece_rows, self.slot_rows = piece_rows(self.local_rows, info.replicate_size, replica)
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
+        placements = (_StridedShard(0, split_factor=info.shard_size), Shard(0))
+        self.sharded_spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
+        self.local_view = self.padded_shard.narrow(0, self.piece_start, self.piece_rows)
+        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
+        sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]
+        self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it
+        self.sharded_param = sharded  # type: ignore[assignment]
+        self._set_on_modules(sharded)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one row along dim 0."""
+        return self.gather_shape.numel() // max(self.gather_shape[0], 1)
+
+    @property
+    def reduced_numel(self) -> int:
+        """Elements of this parameter's slot in the replica reduce-scatter's output."""
+        return self.slot_rows * self.row_numel
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.piece_rows, *self.gather_shape[1:])
+
+    @property
+    def grad_stride(self) -> tuple[int, ...]:
+        return contiguous_stride(self.local_shape)
+
+    def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
+        """This rank's piece of a full value (``load_state_dict`` of a full state dict), no communication."""
+        chunk_start = min(self.mesh_info.shard_rank * self.padded_rows, full.shape[0])
+        local = full.detach().narrow(0, chunk_start + self.piece_start, self.piece_rows)
+        return make_dtensor(local.to(self.padded_shard.device, self.orig_dtype), self.sharded_spec)
+
+    def reset_sharded_param(self) -> bool:
+        """As ``FSDPParam.reset_sharded_param``: a new local tensor (``to_empty``, ``module.to``, an assigning
+        load) is written into its rows of a chunk of its dtype, and the DTensor points back at that view.
+        The chunk's other rows then hold old (or no) values: the group gathers them at its next unshard."""
+        registered = self.places[0].module._parameters[self.places[0].name]
+        if isinstance(registered, DTensor) and registered is not self.sharded_param:
+            self.sharded_param = registered  # type: ignore[assignment]
+            self._set_on_modules(self.sharded_param)
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        if local is self.local_view:
+            return False
+        device = torch.device("cpu") if self.offload_to_cpu and local.device.type != "meta" else local.device
+        chunk = torch.zeros(self.padded_shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
+        if device.type != "meta":
+            if self.padded_shard.device.type != "meta":
+                chunk.copy_(self.padded_shard)
+            chunk.narrow(0, self.piece_start, self.piece_rows).copy_(local.detach())
+        self._adopt_padded_shard(chunk)
+        self.local_view = chunk.narrow(0, self.piece_start, self.piece_rows)
+        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
+        if local.dtype != self.orig_dtype:
+            self._retype(local.dtype)
+        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+        return True
+
+
+def piece_versions(param: FSDPParam) -> tuple[int, int]:
+    """A sharded parameter's version counters: the DTensor's (in-place ops through it, the optimizer's) and
+    its local tensor's (writes to it directly, a sharded load)."""
+    return param.sharded_param._version, param.sharded_param._local_tensor._version  # type: ignore[attr-defined]
+
+
+class ReplicaSync:
+    """An HFSDP group's replica collectives and the freshness of its chunks ([Note: replica-sharded groups])."""
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self.group = group
+        self.stale = False  # every chunk must be gathered: gradients were reduced, or the chunks were reset
+        self.versions = {id(p): piece_versions(p) for p in group.params}  # as at the last gather
+        self.gathers = 0  # replica all-gathers run (tests and trace read it)
+
+    def invalidate(self) -> None:
+        """Gather every chunk at the next unshard."""
+        self.stale = True
+
+    def _due(self) -> list[ReplicaShardedParam]:
+        if self.stale:
+            return list(self.group.params)
+        return [p for p in self.group.params if self.versions[id(p)] != piece_versions(p)]
+
+    def refresh(self) -> None:
+        """All-gather across the replicas the pieces of every chunk that may be stale (none: no collective)."""
+        due = self._due()
+        if due and self.group.mesh_info.replicate_size > 1:
+            self._all_gather(due)
+            self.gathers += 1
+            self.group.trace("replica_all_gather")
+        self.stale = False
+        for param in self.group.params:
+            self.versions[id(param)] = piece_versions(param)
+
+    def _all_gather(self, params: list[ReplicaShardedParam]) -> None:
+        """One all-gather (as bytes: the parameters may differ in dtype) of the pieces into the chunks."""
+        info, comm = self.group.mesh_info, self.group.comm
+        sizes = [p.reduced_numel * p.padded_shard.element_size() for p in params]
+        send = torch.zeros(sum(sizes), dtype=torch.uint8, device=comm.device)
+        for param, piece in zip(params, send.split(sizes)):
+            rows = param.padded_shard.narrow(0, param.piece_start, param.piece_rows)
+            piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
+        received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
+        all_gather_flat(received, send, group=info.replicate_group)
+        received = received.view(info.replicate_size, send.numel())
+        comm.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
+        for param, size, offset in zip(params, sizes, _offsets(sizes)):
+            chunks = received[:, offset : offset + size].contiguous().view(param.padded_shard.dtype)
+            rows = chunks.view(info.replicate_size * param.slot_rows, *param.gather_shape[1:])
+            param.padded_shard.narrow(0, 0, param.local_rows).copy_(rows[: param.local_rows])
+
+    def reduce_scatter(self, output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.Tensor:
+        """The shard-axis reduce-scatter's ``output`` (each parameter's chunk gradient, summed over its replica)
+        reduce-scattered across the replicas: each parameter's piece gradient, summed over every rank, in
+        slots of ``reduced_numel``. Replaces HSDP's all-reduce."""
+        info, comm = self.group.mesh_info, self.group.comm
+        replicas = info.replicate_size
+        blocks = []
+        for param, slot in zip(params, output.split([p.padded_numel for p in params])):
+            rows = slot.view(param.padded_rows, -1)
+            want = replicas * param.slot_rows  # type: ignore[attr-defined]
+            short = want - rows.shape[0]
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, short)) if short > 0 else rows[:want]
+            blocks.append(rows.reshape(replicas, -1))
+        send = torch.cat(blocks, dim=1)  # (replicas, total): rank-major, one slot per replica
+        self.stale = True  # the pieces get new gradients: an optimizer step follows
+        if replicas == 1:
+            return send[0]
+        in_place = reduces_in_place(info.replicate_group, comm.device)
+        received = send[info.mesh.get_local_rank(0)] if in_place else torch.empty_like(send[0])
+        _reduce_scatter_flat(received, send, group=info.replicate_group, in_place=in_place, async_op=False)
+        ring = send.nbytes * (replicas - 1) // replicas
+        comm.count("replica_all_reduce" if in_place else "replica_reduce_scatter", 2 * ring if in_place else ring)
+        return received.clone() if in_place else received
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def make_replica_sharded(group: FSDPParamGroup) -> None:
+    """Turn an HSDP ``group`` of ``ReplicaShardedParam`` into an HFSDP one ([Note: replica-sharded groups])."""
+    group.replicas = ReplicaSync(group)

@@ -1,0 +1,87 @@
+"""``fully_shard(..., sharding=)``: the ZeRO stage of each mesh axis, checked and applied.
+
+``ShardingPolicy(shard=...)`` picks the shard axis's stage (``params``: ZeRO-3, ``optimizer``: ZeRO-1/2, a
+resident group, [Note: resident groups]); ``ShardingPolicy(replicate=...)`` the replicate axis's (``none``:
+HSDP, ``optimizer``: HFSDP, a replica-sharded group, [Note: replica-sharded groups]). Every check here runs
+before anything is sharded and names the value, the parameter or the mesh, and what would be valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ._runtime.extension import has_extension
+from ._runtime.param import FSDPParam
+from ._runtime.replicas import ReplicaShardedParam, make_replica_sharded
+from ._runtime.zero import make_resident
+from .mesh import MeshInfo
+from .policies import ShardingPolicy
+
+FSDPParamGroup = Any
+Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+
+
+def check_sharding(sharding: Any, reshard_after_forward: bool | int | None) -> ShardingPolicy | None:
+    """The policy, after its type and its agreement with ``reshard_after_forward``; None: ZeRO-3, HSDP."""
+    if sharding is None:
+        return None
+    if not isinstance(sharding, ShardingPolicy):
+        raise TypeError(f"sharding must be a fsdp2lite.ShardingPolicy or None, got {type(sharding).__name__}")
+    if sharding.resident and reshard_after_forward not in (None, False):
+        raise ValueError(
+            f"sharding=ShardingPolicy(shard='optimizer') keeps the parameters unsharded between steps (ZeRO-1/2); "
+            f"reshard_after_forward={reshard_after_forward!r} would free them: leave it None (or False)"
+        )
+    return sharding
+
+
+def check_parameters(sharding: ShardingPolicy | None, info: MeshInfo, owned: Owned, dims: list[int]) -> None:
+    """Parameters and mesh a non-default ``sharding`` can take: ValueError naming what cannot."""
+    if sharding is None:
+        return
+    hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
+    if sharding.resident and hooked:
+        raise ValueError(
+            f"sharding=ShardingPolicy(shard='optimizer') keeps plain unsharded parameters, but these gather "
+            f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(hooked)}; shard them with "
+            "shard='params'"
+        )
+    if not sharding.replica_sharded:
+        return
+    if info.replicate_group is None:
+        raise ValueError(
+            f"sharding=ShardingPolicy(replicate='optimizer') (HFSDP) shards masters and optimizer state across the "
+            f"replicas of a 2-D (replicate, shard) mesh, but this mesh is 1-D (shape {tuple(info.mesh.shape)}): pass "
+            "init_device_mesh(..., (replicate, shard), mesh_dim_names=('replicate', 'shard')), or replicate='none'"
+        )
+    odd = [f"{fqn} (all-gather hooks)" for fqn, param, _ in owned if has_extension(_local(param))]
+    odd += [f"{fqn} (tensor parallel)" for fqn, param, _ in owned if isinstance(param, DTensor)]
+    odd += [f"{fqn} (Shard({dim}))" for (fqn, _, _), dim in zip(owned, dims) if dim != 0]
+    odd += [f"{fqn} (0-dim)" for fqn, param, _ in owned if _local(param).dim() == 0]
+    if odd:
+        raise ValueError(
+            f"sharding=ShardingPolicy(replicate='optimizer') (HFSDP) splits plain parameters sharded on dim 0 "
+            f"across the replicas; these are not: {', '.join(odd)}. Give them a group with replicate='none'"
+        )
+
+
+def _local(param: nn.Parameter) -> Any:
+    return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
+
+
+def param_class(sharding: ShardingPolicy | None) -> type[FSDPParam]:
+    """The parameter class a group under ``sharding`` is made of."""
+    return ReplicaShardedParam if sharding is not None and sharding.replica_sharded else FSDPParam
+
+
+def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
+    """Make a new group resident (ZeRO-1/2) and/or replica-sharded (HFSDP), as ``sharding`` says."""
+    if sharding is None:
+        return
+    if sharding.resident:
+        make_resident(group)
+    if sharding.replica_sharded:
+        make_replica_sharded(group)
