@@ -500,14 +500,6 @@ def test_explain_suggests_the_repeated_block_class_for_a_large_module_in_the_roo
 
 
 # ---- Megatron-FSDP -------------------------------------------------------------------------------
-def _hfsdp_built() -> bool:
-    try:
-        fl.ShardingPolicy(replicate="optimizer")
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(
     ("value", "shard", "reshard"),
     [
@@ -539,17 +531,9 @@ def test_megatron_hsdp_and_hfsdp(tmp_path: Path) -> None:
     assert (m.config.mesh.replicate, m.config.sharding.replicate) == (4, "none")
     assert m.config.mesh.resolve(16) == (4, 4)
     hfsdp = write(tmp_path, "hfsdp.json", {**base, "outer_dp_sharding_strategy": "optim"})
-    if _hfsdp_built():
-        m = migrate("megatron-fsdp", hfsdp)
-        assert (m.config.mesh.replicate, m.config.sharding.shard, m.config.sharding.replicate) == (
-            4,
-            "params",
-            "optimizer",
-        )
-        assert "HFSDP" in {k.key: k for k in m.keys}["outer_dp_sharding_strategy"].detail
-    else:  # the mapping is written; the policy refuses it until HFSDP is built
-        with pytest.raises(MigrationError, match="sharding.*replicate: optimizer.*not built yet"):
-            migrate("megatron-fsdp", hfsdp)
+    m = migrate("megatron-fsdp", hfsdp)
+    assert (m.config.mesh.replicate, m.config.sharding.shard, m.config.sharding.replicate) == (4, "params", "optimizer")
+    assert "HFSDP" in {k.key: k for k in m.keys}["outer_dp_sharding_strategy"].detail
     no_size = write(tmp_path, "nosize.json", {"data_parallel_sharding_strategy": 3, "outer_dp_sharding_strategy": 1})
     m = migrate("megatron-fsdp", no_size)
     report = {k.key: k for k in m.keys}["outer_dp_sharding_strategy"]

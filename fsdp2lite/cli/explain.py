@@ -308,6 +308,11 @@ def policy_lines(row: GroupRow) -> list[str]:
     lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
     if policy.sharding.resident:
         lines.append("sharding: shard=optimizer (ZeRO-1/2: parameters resident, gathered once after each step)")
+    if policy.sharding.replica_sharded:
+        lines.append(
+            "sharding: replicate=optimizer (HFSDP: masters and optimizer state split across the replicas, "
+            "gathered across them once after each step)"
+        )
     comm = policy.communication
     if comm.active:
         parts = [f"all_gather={comm.all_gather}"] if comm.all_gather else []

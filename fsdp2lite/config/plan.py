@@ -39,7 +39,7 @@ class GroupPolicy:
             "mp_policy": self.mixed_precision,
             "offload_policy": self.offload.to_policy(),
             "comm_policy": self.communication if self.communication.active else None,
-            "sharding": self.sharding if self.sharding.resident else None,
+            "sharding": self.sharding if self.sharding != ShardingPolicy() else None,
         }
 
 

@@ -244,7 +244,8 @@ class FSDPConfig(BaseModel):
     )
     sharding: ShardingPolicy = Field(
         default_factory=ShardingPolicy,
-        description="what each mesh axis shards: shard: params (ZeRO-3, default) | optimizer (ZeRO-1/2)",
+        description="what each mesh axis shards: shard: params (ZeRO-3, default) | optimizer (ZeRO-1/2); "
+        "replicate: none (HSDP, default) | optimizer (HFSDP: masters and optimizer state sharded across replicas)",
     )
     zero_stage: Literal[1, 2, 3] | None = Field(
         None, description="DeepSpeed's shorthand for sharding.shard: 3 = params, 1 and 2 = optimizer"
@@ -263,15 +264,35 @@ class FSDPConfig(BaseModel):
 
     @model_validator(mode="after")
     def _zero_stage(self) -> FSDPConfig:
+        """``zero_stage`` sets the shard axis (``sharding.shard``) and leaves ``sharding.replicate`` as given."""
         if self.zero_stage is None:
             return self
-        implied = ShardingPolicy.zero_stage(self.zero_stage)
-        if "sharding" in self.model_fields_set and self.sharding != implied:
+        implied = ShardingPolicy.zero_stage(self.zero_stage).shard
+        if "shard" in self.sharding.model_fields_set and self.sharding.shard != implied:
             raise ValueError(
-                f"zero_stage: {self.zero_stage} means sharding.shard: {implied.shard}, but sharding says "
+                f"zero_stage: {self.zero_stage} means sharding.shard: {implied}, but sharding says "
                 f"shard: {self.sharding.shard}; give one of them"
             )
-        object.__setattr__(self, "sharding", implied)
+        object.__setattr__(self, "sharding", ShardingPolicy(shard=implied, replicate=self.sharding.replicate))
+        return self
+
+    @model_validator(mode="after")
+    def _replicate_axis(self) -> FSDPConfig:
+        """``replicate: optimizer`` (HFSDP) needs replicas: refused on a mesh with ``replicate: 1``."""
+        if self.mesh.replicate != 1:
+            return self
+        where = ["sharding"] if self.sharding.replica_sharded else []
+        where += [
+            f"wrap[{index}].sharding"
+            for index, rule in enumerate(self.wrap)
+            if rule.sharding is not None and rule.sharding.replica_sharded
+        ]
+        if where:
+            raise ValueError(
+                f"{where[0]}.replicate: optimizer (HFSDP) shards masters and optimizer state across the replicas "
+                "of a 2-D mesh, but mesh.replicate is 1 (a 1-D mesh): set mesh.replicate to 2 or more (or -1 with "
+                "shard given), or use replicate: none"
+            )
         return self
 
     @field_validator("reshard_after_forward")

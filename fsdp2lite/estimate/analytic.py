@@ -5,7 +5,8 @@ Terms, per rank (bytes):
         adapted base weights at NF4's 4.127 bits (``finetune.NF4_BITS``)
     S_t the shards of the trainable parameters (full: S; lora/qlora: the adapters), = their sharded gradients
     O   optimizer state of the trainable parameters: AdamW 2 S_t (+ a step counter per tensor), SGD with
-        momentum S_t, none 0
+        momentum S_t, none 0. HFSDP groups (``sharding.replicate: optimizer``) count 1/replicate of their
+        trainable shards in S_t (hence O): masters, gradients and state are split across the replicas
     R   the root group's unsharded parameters (kept between forward and backward), in param_dtype (NF4
         weights gathered as NF4), padded as the all-gather lays them out (shard degree x padded chunk: at
         large world sizes, mostly padding); R_g its trainable parameters' unsharded gradients
@@ -80,10 +81,10 @@ def analytic_estimate(
             cache["model"] = model_fn()
     model = cache["model"]
     config = config or default_config(model)
-    _, shard = config.mesh.resolve(world_size)
+    replicate, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
     nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
-    terms, host, share = _memory_terms(plan, shard, nf4, optimizer, device)
+    terms, host, share = _memory_terms(plan, (replicate, shard), nf4, optimizer, device)
     terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
@@ -118,14 +119,19 @@ def analytic_estimate(
 
 
 def _memory_terms(
-    plan: Plan, shard: int, nf4: set[str], optimizer: str, device: str
+    plan: Plan, degrees: tuple[int, int], nf4: set[str], optimizer: str, device: str
 ) -> tuple[dict[str, int], int, float]:
-    """(the terms but activations, host bytes with CPU offload, the offloaded share of the shards)."""
+    """(the terms but activations, host bytes with CPU offload, the offloaded share of the shards).
+    ``degrees``: (replicate, shard); an HFSDP group's S_t (its gradients' and optimizer state's shards) is
+    split across the replicas too: 1/replicate of its shards' (exact for rows divisible by the world size)."""
+    replicate, shard = degrees
     groups = group_bytes(plan, shard, nf4)
+    split = [replicate if group.policy.sharding.replica_sharded else 1 for group in plan.groups]
+    trained = [g.trainable // ways for g, ways in zip(groups, split)]
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     ignored_trainable = sum(p.numel() * p.element_size() for p in plan.ignored.values() if p.requires_grad)
     terms = {"S": sum(g.sharded for g in groups) + ignored}
-    trainable = sum(g.trainable for g in groups) + ignored_trainable  # S_t: what has gradients and optimizer state
+    trainable = sum(trained) + ignored_trainable  # S_t: what has gradients and optimizer state
     tensors = sum(1 for params in plan.params for p in params.values() if p.requires_grad)
     terms["O"] = {"adamw": 2 * trainable + 4 * tensors, "sgd": trainable, "none": 0}[optimizer]
     terms["S_t"] = trainable
@@ -143,9 +149,10 @@ def _memory_terms(
         (sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values() if p.requires_grad), default=0
     )
     terms["T"] = trainable if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
-    offloaded = [g for g, group in zip(groups, plan.groups) if group.policy.offload.device == "cpu"]
+    on_host = [group.policy.offload.device == "cpu" for group in plan.groups]
+    offloaded = [g for g, host in zip(groups, on_host) if host]
     share = sum(g.sharded for g in offloaded) / terms["S"] if terms["S"] else 0.0
-    share_t = sum(g.trainable for g in offloaded) / trainable if trainable else 0.0
+    share_t = sum(t for t, host in zip(trained, on_host) if host) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
     host = sum(g.pinned for g in offloaded) + int(terms["O"] * share_t)  # pinned shards and grads, pageable state
     terms["S"] = int(terms["S"] * (1 - share))  # what stays on the device
