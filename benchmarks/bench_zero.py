@@ -80,7 +80,7 @@ class Strategy:
     library: str  # "fsdp2lite" or "torch"
     mesh: str  # "1d" (shard 4) or "2d" (replicate 2, shard 2)
     sharding: dict[str, str] = field(default_factory=dict)  # fsdp2lite: ShardingPolicy's fields
-    reshard_after_forward: bool = True  # torch only (its default); fsdp2lite's strategies keep theirs
+    reshard_after_forward: bool | None = None  # torch only; None: torch's default (True, the root False)
     twin: str | None = None  # the torch strategy this one is compared with
 
 
