@@ -119,7 +119,8 @@ def scenario_bitwise_hsdp(rank: int, ws: int) -> None:
 
 def scenario_bytes(rank: int, ws: int) -> None:
     """Per rank on (2, 2), exactly: HFSDP's optimizer state and registered parameters are 1/4 of the total
-    where HSDP's are 1/2, its gradients too; one replica all-gather per group per step, of the pieces."""
+    where HSDP's are 1/2, its gradients too (as ZeRO-3's and ZeRO-1/2's on 4 ranks, ZeRO-1/2 keeping the whole
+    parameters besides); one replica all-gather per group per step, of the pieces."""
     (hsdp, hfsdp), (hsdp_opt, hfsdp_opt) = _adamw_pair({}, EvenMLP, even_batch, mlp_loss, rank, steps=2)
     total = sum(p.numel() * 4 for p in EvenMLP().parameters())
     for model, opt, replicas in ((hsdp, hsdp_opt, 2), (hfsdp, hfsdp_opt, 1)):
@@ -129,6 +130,17 @@ def scenario_bytes(rank: int, ws: int) -> None:
         assert _local_bytes(model.parameters()) == total * replicas // 4
         assert _local_bytes(p.grad for p in model.parameters()) == total * replicas // 4
         model.zero_grad()
+    for sharding, resident in ((None, 0), (fl.ShardingPolicy(shard="optimizer"), total)):  # the 1-D stages
+        torch.manual_seed(0)
+        model = EvenMLP()
+        shard(sharding, fl.init_mesh(device_type="cpu"))(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mlp_loss(model, even_batch(0, rank)).backward()
+        opt.step()
+        state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+        assert _local_bytes(state) == 2 * total // 4  # ZeRO-1/2 and ZeRO-3: a quarter, as HFSDP on (2, 2)
+        kept = sum(p.unsharded_flat.untyped_storage().nbytes() for g in _groups(model) for p in g.params)
+        assert kept == resident, (sharding, kept)  # ZeRO-1/2 keeps every parameter whole between steps
     groups = _groups(hfsdp)
     batch = even_batch(6, rank)
     with torch.no_grad():
@@ -250,7 +262,7 @@ def scenario_policy_file(rank: int, ws: int) -> None:
     fl.apply_config(hsdp, fl.FSDPConfig.model_validate({**mesh, "wrap": rules}))
     config = fl.FSDPConfig.model_validate({**mesh, "sharding": {"replicate": "optimizer"}, "wrap": rules})
     fl.apply_config(mixed, config)
-    assert [group.replicas is not None for group in _groups(mixed)] == [False, False, True]  # blocks, then root
+    assert [group.replicas is not None for group in _groups(mixed)] == [True, False, False]  # the root, the blocks
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (hsdp, mixed)]
     for step in range(2):
         losses = []
