@@ -92,6 +92,19 @@ CASES = {
             "checkpointing": False,
         },
     ),
+    "deepspeed_zero2_offload.json": (  # ZeRO-Offload: shards on the device, the optimizer on the host
+        "deepspeed",
+        {},
+        {
+            "resident": True,
+            "reshard_after_forward": "auto",
+            "param_dtype": torch.bfloat16,
+            "offload": "cpu",
+            "optimizer_only": True,
+            "replicate": 1,
+            "checkpointing": False,
+        },
+    ),
     "deepspeed_zero2.json": (
         "deepspeed",
         {},
@@ -181,6 +194,7 @@ def test_fixture_migrates_to_the_same_sharding(fixture: str, tmp_path: Path) -> 
     if "reduce_dtype" in expected:
         assert config.mixed_precision.reduce_dtype == expected["reduce_dtype"]
     assert config.offload.device == expected["offload"]
+    assert config.offload.optimizer_only == expected.get("optimizer_only", False)
     assert config.mesh.replicate == expected["replicate"]
     if "shard" in expected:
         assert config.mesh.shard == expected["shard"]
@@ -249,9 +263,9 @@ def test_unknown_keys_get_a_suggestion_and_exit_1(tmp_path: Path, capsys: pytest
         ("deepspeed", '{"zero_optimization": {"stage": 0}}', "ds.json", r"ZeRO stage 0 shards nothing .*use DDP"),
         (
             "deepspeed",
-            '{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}',
+            '{"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}',
             "ds.json",
-            r"cpu only",
+            r"zero_optimization.offload_param.device 'gpu': expected one of none, cpu, nvme",
         ),
         ("deepspeed", '{"train_batch_size": 8}', "ds.json", r"does not look like a deepspeed config.*--from right"),
         ("deepspeed", "{not json", "ds.json", r"not valid JSON for --from deepspeed"),
@@ -345,6 +359,7 @@ def tiny_gpt() -> GPT:
         "hf_trainer.json",
         "deepspeed_zero3_offload.json",
         "deepspeed_zero2.json",
+        "deepspeed_zero2_offload.json",
         "megatron_fsdp_zero2.json",
         "torchtitan_llama3_8b.toml",
     ],
@@ -370,7 +385,9 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
         dtype = expected["param_dtype"] or torch.float32
         assert all(p.param_dtype == dtype for p in group.params), name
         assert (group.resident is not None) == expected.get("resident", False), name
-        assert all(p.offload_to_cpu == (expected["offload"] == "cpu") for p in group.params), name
+        host_masters = expected.get("optimizer_only", False)  # ZeRO-Offload: shards on the device, masters on the host
+        assert all(p.offload_to_cpu == (expected["offload"] == "cpu" and not host_masters) for p in group.params)
+        assert all(p.policy.host_masters == host_masters for p in group.params), name
     x = torch.randn(2, 8) if source == "torchtitan" else torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     model(x).float().sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -681,3 +698,187 @@ def test_torchtitan_degrees(replicate: int, shard: int, world: int, expected: tu
 def test_torchtitan_bad_degrees(line: str, match: str, tmp_path: Path) -> None:
     with pytest.raises(MigrationError, match=match):
         migrate("torchtitan", write(tmp_path, "t.toml", f"[parallelism]\n{line}\n"))
+
+
+# ---- offload means what it meant: ZeRO-Offload, parameter offload, NVMe (issue 33) ----------------
+ZERO_OFFLOAD = "ZeRO-Offload: the shards and the gradients' reduction stay on the device"
+ON_HOST = "parameters, gradients and optimizer state on the host"
+
+
+def offload_of(m) -> tuple[str, bool, bool]:
+    return m.config.offload.device, m.config.offload.optimizer_only, m.config.offload.pin_memory
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected", "rows"),
+    [
+        # offload_optimizer alone, at every stage: ZeRO-Offload (pin_memory: DeepSpeed's default, false)
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, ("cpu", True, False), {"device": ZERO_OFFLOAD}),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, ("cpu", True, False), {"device": ZERO_OFFLOAD}),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}, ("cpu", True, True), {}),
+        (
+            {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True},  # deprecated flags: the same
+            ("cpu", True, True),
+            {"cpu_offload": "deprecated", "cpu_offload_use_pin_memory": "pin_memory: true"},
+        ),
+        # stage 3 parameter offload: the optimizer goes with the parameters
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, ("cpu", False, False), {"device": "optimizer goes with"}),
+        ({"stage": 3, "cpu_offload_param": True}, ("cpu", False, False), {"cpu_offload_param": ON_HOST}),
+        # both: full offload, whichever key the walk meets first (the deprecated flag sorts before the section)
+        (
+            {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            ("cpu", False, False),
+            {"offload_param.device": "full offload", "offload_optimizer.device": "full offload"},
+        ),
+        (
+            {"stage": 3, "cpu_offload_param": True, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            ("cpu", False, True),
+            {"offload_optimizer.device": "full offload", "cpu_offload_param": "full offload"},
+        ),
+        # parameter offload is read at stage 3 only (DeepSpeed's rule): at stage 2 the optimizer alone moves
+        (
+            {"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            ("cpu", True, False),
+            {"offload_param.device": "stage 3 only"},
+        ),
+        ({"stage": 2, "offload_param": {"device": "cpu", "pin_memory": True}}, ("none", False, True), {}),
+        ({"stage": 3, "offload_optimizer": {}, "offload_param": {"device": "none"}}, ("none", False, True), {}),
+    ],
+)
+def test_deepspeed_offload_means_what_it_meant(
+    zero: dict, expected: tuple[str, bool, bool], rows: dict[str, str], tmp_path: Path
+) -> None:
+    m = migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": zero}))
+    assert offload_of(m) == expected
+    assert m.config.zero_stage == (zero["stage"] if zero["stage"] < 3 else None)
+    out = tmp_path / "out.yaml"
+    out.write_text(m.yaml())
+    assert fl.FSDPConfig.from_yaml(out) == m.config and main(["validate", str(out)]) == 0
+    by_key = {k.key.removeprefix("zero_optimization."): k for k in m.keys}
+    for key, words in rows.items():
+        report = next(r for name, r in by_key.items() if name.endswith(key))
+        assert words in report.detail, report
+    assert not m.unknown and all(r.status != "unsupported" for r in m.keys), m.keys
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_deepspeed_offload_rows_do_not_depend_on_the_walk_order(order: int) -> None:
+    """Every offload handler writes the whole section from the record read before the walk."""
+    from fsdp2lite.migrate.common import Migration
+    from fsdp2lite.migrate.deepspeed import DEEPSPEED
+    from fsdp2lite.migrate.deepspeed_offload import record_offload
+
+    flat = {
+        "zero_optimization.stage": 3,
+        "zero_optimization.offload_optimizer.device": "cpu",
+        "zero_optimization.offload_optimizer.pin_memory": False,
+        "zero_optimization.offload_param.device": "cpu",
+        "zero_optimization.offload_param.pin_memory": True,
+    }
+    keys = list(flat)[1:]
+    m = Migration("deepspeed", "ds.json")
+    record_offload(m, flat)
+    details = {key: DEEPSPEED[key](m, flat[key]) for key in (keys if order == 0 else keys[::-1])}  # type: ignore[operator]
+    assert m.data["offload"] == {"device": "cpu", "optimizer_only": False, "pin_memory": True}
+    assert details["zero_optimization.offload_optimizer.device"] == details["zero_optimization.offload_param.device"]
+    assert "full offload" in details["zero_optimization.offload_param.device"]
+    assert m.origins["offload.device"] == (
+        "zero_optimization.offload_optimizer.device + zero_optimization.offload_param.device"
+    )
+
+
+def test_deepspeed_nvme_offload_is_unsupported_not_an_error(tmp_path: Path) -> None:
+    nvme_param = {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}
+    nvme_optimizer = {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 4, "pipeline_read": False,
+                      "pipeline_write": False, "fast_init": False, "pin_memory": True, "ratio": 1.0}  # fmt: skip
+    data = {"zero_optimization": {"stage": 3, "offload_param": nvme_param, "offload_optimizer": nvme_optimizer}}
+    path = write(tmp_path, "ds.json", data)
+    m = migrate("deepspeed", path)
+    assert offload_of(m) == ("none", False, True)  # nothing offloaded: fsdp2lite's defaults
+    rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys if "offload" in k.key}
+    assert {key for key, r in rows.items() if r.status != "unsupported"} == {"offload_optimizer.ratio"}
+    assert all("NVMe offload (ZeRO-Infinity) is not built yet in fsdp2lite" in r.detail for r in rows.values()
+               if r.status == "unsupported")  # fmt: skip
+    assert main(["migrate", "--from", "deepspeed", str(path), "-o", str(tmp_path / "o.yaml")]) == 0
+    # NVMe for the parameters, cpu for the optimizer: ZeRO-Offload, the NVMe settings unsupported
+    data["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "buffer_count": 4, "ratio": 0.3}
+    m = migrate("deepspeed", write(tmp_path, "mixed.json", data))
+    rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys}
+    assert offload_of(m) == ("cpu", True, False)
+    assert rows["offload_param.device"].status == rows["offload_param.nvme_path"].status == "unsupported"
+    assert rows["offload_optimizer.buffer_count"].status == "dropped"  # an NVMe setting of a cpu offload
+    assert "only with device nvme" in rows["offload_optimizer.buffer_count"].detail
+    assert (
+        rows["offload_optimizer.ratio"].status == "unsupported" and "partial" in rows["offload_optimizer.ratio"].detail
+    )
+
+
+@pytest.mark.parametrize(
+    ("zero", "match"),
+    [
+        (
+            {"offload_optimizer": {"device": "disk"}},
+            r"offload_optimizer.device 'disk': expected one of none, cpu, nvme",
+        ),
+        (
+            {"offload_param": {"device": "cpu", "pin_memory": "yes"}},
+            r"offload_param.pin_memory 'yes': expected true or",
+        ),
+        ({"cpu_offload": 1}, r"zero_optimization.cpu_offload 1: expected true or false"),
+        (
+            {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}},
+            r"cpu_offload \(deprecated\) and zero_optimization.offload_optimizer are both given",
+        ),
+        ({"offload_optimizer": "cpu"}, r"offload_optimizer 'cpu': expected a mapping such as \{device: cpu\}"),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 2}}, r"offload_optimizer.ratio 2: expected a number in"),
+    ],
+)
+def test_deepspeed_bad_offload_values(zero: dict, match: str, tmp_path: Path) -> None:
+    with pytest.raises(MigrationError, match=match):
+        migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": {"stage": 2, **zero}}))
+
+
+@pytest.mark.parametrize(
+    ("source", "text", "kwargs", "key"),
+    [
+        (
+            "accelerate",
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\n",
+            {},
+            "fsdp_offload_params",
+        ),
+        ("hf-trainer", '{"fsdp_config": {"offload_params": true}}', {}, "offload_params"),
+        ("hf-trainer", '{"fsdp_offload_params": "true"}', {}, "fsdp_offload_params"),
+        ("hf-trainer", '{"cpu_offload": true}', {}, "cpu_offload"),
+        ("hf-trainer", '{"use_orig_params": true}', {"fsdp_option": "full_shard offload"}, "--fsdp offload"),
+        ("torchtitan", "[training]\nenable_cpu_offload = true\n", {}, "training.enable_cpu_offload"),
+    ],
+)
+def test_fsdp_parameter_offload_moves_the_optimizer_too(
+    source: str, text: str, kwargs: dict, key: str, tmp_path: Path
+) -> None:
+    """FSDP's offload (Accelerate, the Trainer, torchtitan: torch's CPUOffloadPolicy) is not ZeRO-Offload."""
+    name = {"accelerate": "a.yaml", "torchtitan": "t.toml"}.get(source, "t.json")
+    m = migrate(source, write(tmp_path, name, text), **kwargs)
+    assert offload_of(m) == ("cpu", False, True)
+    report = next(r for r in m.keys if r.key.endswith(key))
+    assert report.status == "mapped" and ON_HOST in report.detail and "optimizer_only: false" in report.detail
+    out = tmp_path / "out.yaml"
+    out.write_text(m.yaml())
+    assert main(["validate", str(out)]) == 0
+    off = migrate(source, write(tmp_path, name, text.replace("true", "false")), **kwargs)
+    assert off.config.offload.device == ("cpu" if "fsdp_option" in kwargs else "none")  # the --fsdp word still asks
+
+
+def test_fsdp_offload_flags_and_accelerates_deepspeed_plugin(tmp_path: Path) -> None:
+    with pytest.raises(MigrationError, match=r"fsdp_config.fsdp_offload_params 'maybe': expected true or false"):
+        migrate("accelerate", write(tmp_path, "a.yaml", "fsdp_config:\n  fsdp_offload_params: maybe\n"))
+    with pytest.raises(MigrationError, match=r"training.enable_cpu_offload 'yes': expected true or false"):
+        migrate("torchtitan", write(tmp_path, "t.toml", '[training]\nenable_cpu_offload = "yes"\n'))
+    plugin = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  offload_optimizer_device: cpu\n  zero_stage: 2\n"
+    with pytest.raises(MigrationError, match=r"only FSDP setups migrate \(a DeepSpeed setup: .*--from deepspeed\)"):
+        migrate("accelerate", write(tmp_path, "ds.yaml", plugin))
+    m = migrate("accelerate", write(tmp_path, "fsdp.yaml", plugin.replace("DEEPSPEED", "FSDP")))
+    report = {k.key: k for k in m.keys}["deepspeed_config.offload_optimizer_device"]
+    assert report.status == "dropped" and "an FSDP launch does not read" in report.detail
+    assert m.config.offload.device == "none"

@@ -30,6 +30,7 @@ from .accelerate import ACCELERATE, HF_TRAINER, hf_option, size_based_groups
 from .blocks import add_default_blocks
 from .common import SOURCES, KeyReport, Migration, MigrationError, Rule, Status, add_block_rule
 from .deepspeed import DEEPSPEED
+from .deepspeed_offload import record_offload
 from .megatron import MEGATRON_FSDP, check_megatron
 from .torchtitan import TORCHTITAN
 
@@ -120,6 +121,8 @@ def migrate(
     m = Migration(source, str(path), model=model)
     if world_size is not None:
         m.data["_world_size"] = world_size
+    if source == "deepspeed":  # both offload sections, read before the walk: the key order must not matter
+        record_offload(m, flat)
     if source == "accelerate" and "num_machines" in data:
         m.data["_machines"] = data["num_machines"]
     if source == "torchtitan":  # its parallelize applies fully_shard to each TransformerBlock, then the model
@@ -173,7 +176,11 @@ def _map_key(m: Migration, key: str, value: Any) -> KeyReport:
 def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:
     """The file must look like the tool's own config, or the report would be all 'unknown'."""
     if source == "accelerate" and data.get("distributed_type") not in ("FSDP", None):
-        raise MigrationError(f"{path}: distributed_type is {data.get('distributed_type')!r}; only FSDP setups migrate")
+        deepspeed = data.get("distributed_type") == "DEEPSPEED"
+        hint = " (a DeepSpeed setup: migrate its JSON config with --from deepspeed)" if deepspeed else ""
+        raise MigrationError(
+            f"{path}: distributed_type is {data.get('distributed_type')!r}; only FSDP setups migrate{hint}"
+        )
     expected = {
         "accelerate": ("distributed_type", "fsdp_config"),
         "deepspeed": ("zero_optimization",),

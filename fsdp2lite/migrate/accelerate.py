@@ -104,11 +104,24 @@ def size_based_groups(model: Any, min_num_params: int) -> list[str]:
     return found
 
 
+_TRUE = ("true", "1", "yes", "y", "t", "on")  # the strings Accelerate's str_to_bool reads as true ...
+_FALSE = ("false", "0", "no", "n", "f", "off")  # ... and as false
+
+
 def _offload(m: Migration, value: Any, origin: str) -> str:
-    if str(value).lower() in ("true", "1"):
-        set_key(m, "offload.device", "cpu", origin)
-        return "offload.device: cpu"
-    return "nothing (off)"
+    """FSDP's parameter offload (torch's ``CPUOffloadPolicy``, FSDP1's ``CPUOffload(offload_params=True)``):
+    the sharded parameters, their gradients and so the optimizer state live on the host; not ZeRO-Offload."""
+    flag = str(value).lower()
+    if flag not in _TRUE + _FALSE:
+        raise MigrationError(f"{m.path}: {origin} {value!r}: expected true or false")
+    if flag in _FALSE:
+        return "nothing (off)"
+    set_key(m, "offload.device", "cpu", origin)
+    set_key(m, "offload.optimizer_only", False, origin)
+    return (
+        "offload: {device: cpu, optimizer_only: false} (FSDP's parameter offload: parameters, gradients and "
+        "optimizer state on the host; the optimizer steps there)"
+    )
 
 
 def _reshard(m: Migration, value: Any, origin: str) -> str:
@@ -208,12 +221,20 @@ ACCELERATE: dict[str, Rule] = {
             "main_process_ip",
             "main_process_port",
             "dynamo_config.*",
-            "deepspeed_config.*",
         )
     },  # fmt: skip
+    "deepspeed_config.*": (
+        "dropped",
+        "the DeepSpeed plugin's settings, which an FSDP launch does not read; migrate a DeepSpeed setup's "
+        "JSON config with --from deepspeed",
+    ),
 }
 
-HF_TRAINER: dict[str, Rule] = {**_fsdp_keys(""), **_fsdp_keys("fsdp_")}
+HF_TRAINER: dict[str, Rule] = {
+    **_fsdp_keys(""),
+    **_fsdp_keys("fsdp_"),
+    "cpu_offload": lambda m, v: _offload(m, v, "cpu_offload"),  # the Trainer's own name for it (transformers 5)
+}
 
 
 def _accelerate_mixed(m: Migration, value: Any) -> str:

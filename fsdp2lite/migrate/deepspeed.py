@@ -1,10 +1,11 @@
-"""DeepSpeed ZeRO configs (JSON): stages 1-3, offload, hpZ, MiCS, leaf modules, dtypes."""
+"""DeepSpeed ZeRO configs (JSON): stages 1-3, offload (``deepspeed_offload``), hpZ, MiCS, leaf modules, dtypes."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Rule, add_block_rule, set_key
+from .deepspeed_offload import NVME, OFFLOAD_RULES
 
 
 def _ds_stage(m: Migration, value: Any) -> str:
@@ -19,25 +20,6 @@ def _ds_stage(m: Migration, value: Any) -> str:
         return "reshard_after_forward: true (stage 3: parameters sharded and gathered per use)"
     set_key(m, "zero_stage", value, "zero_optimization.stage")
     return f"zero_stage: {value} (parameters resident between steps; gradients and optimizer state sharded)"
-
-
-def _ds_offload(kind: str) -> Handler:
-    def handle(m: Migration, value: Any) -> str:
-        if value in ("none", None):
-            return "offload.device: none"
-        if value != "cpu":
-            raise MigrationError(
-                f"{m.path}: {kind}.device {value!r}: fsdp2lite offloads to cpu only (nvme has no equivalent)"
-            )
-        set_key(m, "offload.device", "cpu", f"zero_optimization.{kind}.device")
-        return "offload.device: cpu (parameters, gradients and optimizer state together)"
-
-    return handle
-
-
-def _ds_pin(m: Migration, value: Any) -> str:
-    set_key(m, "offload.pin_memory", bool(value), "zero_optimization.offload_*.pin_memory")
-    return f"offload.pin_memory: {str(bool(value)).lower()}"
 
 
 def _ds_hpz(m: Migration, value: Any) -> str:
@@ -101,10 +83,7 @@ def _ds_comm_dtype(m: Migration, value: Any) -> str:
 _BUCKETS = "bucket and buffer sizes: fsdp2lite reduces one flat buffer per group, sized by the group"
 DEEPSPEED: dict[str, Rule] = {
     "zero_optimization.stage": _ds_stage,
-    "zero_optimization.offload_param.device": _ds_offload("offload_param"),
-    "zero_optimization.offload_optimizer.device": _ds_offload("offload_optimizer"),
-    "zero_optimization.offload_param.pin_memory": _ds_pin,
-    "zero_optimization.offload_optimizer.pin_memory": _ds_pin,
+    **OFFLOAD_RULES,
     "zero_optimization.zero_hpz_partition_size": _ds_hpz,
     "zero_optimization.mics_shard_size": _ds_mics,
     "zero_optimization.leaf_module.classes": _ds_leaf,
@@ -142,10 +121,6 @@ DEEPSPEED: dict[str, Rule] = {
     "zero_optimization.load_from_fp32_weights": ("dropped", "the shards are the fp32 master weights"),
     "zero_optimization.elastic_checkpoint": ("dropped", "DCP checkpoints reshard to any world size"),
     "zero_optimization.ignore_unused_parameters": ("dropped", "see set_reduce_scatter_unused_params"),
-    "zero_optimization.offload_param.buffer_count": ("dropped", "nvme offload buffers: no nvme offload"),
-    "zero_optimization.offload_param.buffer_size": ("dropped", "nvme offload buffers: no nvme offload"),
-    "zero_optimization.offload_param.nvme_path": ("unsupported", "nvme offload"),
-    "zero_optimization.offload_optimizer.nvme_path": ("unsupported", "nvme offload"),
     "zero_optimization.zero_quantized_weights": _ds_quantized("all_gather", "int8"),
     "zero_optimization.zero_quantized_gradients": _ds_quantized("reduce_scatter", "int8"),
     "gradient_accumulation_steps": ("dropped", "use set_requires_gradient_sync(False) on all but the last microbatch"),
@@ -171,5 +146,5 @@ DEEPSPEED: dict[str, Rule] = {
     "csv_monitor.*": ("dropped", "logging"),
     "flops_profiler.*": ("dropped", "profiling"),
     "comms_logger.*": ("dropped", "use fl.record_trace and fsdp2lite trace summarize"),
-    "aio.*": ("dropped", "nvme I/O: no nvme offload"),
+    "aio.*": ("dropped", f"NVMe I/O settings: {NVME}"),
 }

@@ -1,4 +1,5 @@
-"""torchtitan job configs (TOML): data-parallel degrees, reshard after forward, mixed precision, full AC."""
+"""torchtitan job configs (TOML): data-parallel degrees, reshard after forward, mixed precision, CPU offload,
+full AC."""
 
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ def _tt_dtype(target: str) -> Handler:
     return handle
 
 
+def _tt_offload(m: Migration, value: Any) -> str:
+    """torchtitan's ``CPUOffloadPolicy()`` on every ``fully_shard``: parameters, gradients, optimizer state."""
+    if not isinstance(value, bool):
+        raise MigrationError(f"{m.path}: training.enable_cpu_offload {value!r}: expected true or false")
+    if not value:
+        return "nothing (off)"
+    set_key(m, "offload.device", "cpu", "training.enable_cpu_offload")
+    set_key(m, "offload.optimizer_only", False, "training.enable_cpu_offload")
+    return (
+        "offload: {device: cpu, optimizer_only: false} (FSDP2's CPUOffloadPolicy: parameters, gradients and "
+        "optimizer state on the host; the optimizer steps there)"
+    )
+
+
 def _tt_ac(m: Migration, value: Any) -> str:
     if value == "none":
         return "nothing (no activation checkpointing)"
@@ -88,6 +103,7 @@ TORCHTITAN: dict[str, Rule] = {
     ),
     "training.mixed_precision_param": _tt_dtype("param"),
     "training.mixed_precision_reduce": _tt_dtype("reduce"),
+    "training.enable_cpu_offload": _tt_offload,
     "activation_checkpoint.mode": _tt_ac,
     "activation_checkpoint.selective_ac_option": ("unsupported", "per-op selective checkpointing"),
     "training.*": ("dropped", LOOP_SETTING),
