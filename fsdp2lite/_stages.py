@@ -1,9 +1,11 @@
-"""``fully_shard(..., sharding=)``: the ZeRO stage of each mesh axis, checked and applied.
+"""``fully_shard(..., sharding=)``: the ZeRO stage of each mesh axis, checked and applied; and where the
+optimizer steps (``CPUOffloadPolicy(optimizer_only=True)``).
 
 ``ShardingPolicy(shard=...)`` picks the shard axis's stage (``params``: ZeRO-3, ``optimizer``: ZeRO-1/2, a
 resident group, [Note: resident groups]); ``ShardingPolicy(replicate=...)`` the replicate axis's (``none``:
-HSDP, ``optimizer``: HFSDP, a replica-sharded group, [Note: replica-sharded groups]). Every check here runs
-before anything is sharded and names the value, the parameter or the mesh, and what would be valid.
+HSDP, ``optimizer``: HFSDP, a replica-sharded group, [Note: replica-sharded groups]). ``optimizer_only``
+offload keeps the shards on the device and the masters on the host ([Note: host masters]). Every check here
+runs before anything is sharded and names the value, the parameter or the mesh, and what would be valid.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._runtime.extension import has_extension
-from ._runtime.param import FSDPParam
+from ._runtime.host_masters import HostMasterParam, make_host_masters
+from ._runtime.param import FSDPParam, ParamPolicy
 from ._runtime.replicas import ReplicaShardedParam, make_replica_sharded
 from ._runtime.zero import make_resident
 from .mesh import MeshInfo
@@ -38,11 +41,25 @@ def check_sharding(sharding: Any, reshard_after_forward: bool | int | None) -> S
     return sharding
 
 
-def check_parameters(sharding: ShardingPolicy | None, info: MeshInfo, owned: Owned, dims: list[int]) -> None:
-    """Parameters and mesh a non-default ``sharding`` can take: ValueError naming what cannot."""
+def check_parameters(
+    sharding: ShardingPolicy | None, policy: ParamPolicy, info: MeshInfo, owned: Owned, dims: list[int]
+) -> None:
+    """Parameters and mesh a non-default ``sharding`` (or host masters) can take: ValueError naming what cannot."""
+    hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
+    if policy.host_masters:
+        if hooked:
+            raise ValueError(
+                f"CPUOffloadPolicy(optimizer_only=True) keeps plain master shards on the host, but these gather "
+                f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(hooked)}; offload them with "
+                "optimizer_only=False (or not at all)"
+            )
+        if sharding is not None and sharding.replica_sharded:
+            raise ValueError(
+                "CPUOffloadPolicy(optimizer_only=True) and ShardingPolicy(replicate='optimizer') (HFSDP) both "
+                "move where the masters live; pick one for this group"
+            )
     if sharding is None:
         return
-    hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
     if sharding.resident and hooked:
         raise ValueError(
             f"sharding=ShardingPolicy(shard='optimizer') keeps plain unsharded parameters, but these gather "
@@ -72,13 +89,17 @@ def _local(param: nn.Parameter) -> Any:
     return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
 
 
-def param_class(sharding: ShardingPolicy | None) -> type[FSDPParam]:
-    """The parameter class a group under ``sharding`` is made of."""
+def param_class(sharding: ShardingPolicy | None, policy: ParamPolicy) -> type[FSDPParam]:
+    """The parameter class a group under ``sharding`` and ``policy`` is made of."""
+    if policy.host_masters:
+        return HostMasterParam
     return ReplicaShardedParam if sharding is not None and sharding.replica_sharded else FSDPParam
 
 
 def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
-    """Make a new group resident (ZeRO-1/2) and/or replica-sharded (HFSDP), as ``sharding`` says."""
+    """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
+    if group.params[0].policy.host_masters:
+        make_host_masters(group)
     if sharding is None:
         return
     if sharding.resident:

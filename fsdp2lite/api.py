@@ -97,7 +97,7 @@ def fully_shard(
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
     _check_group_dtypes(owned, policy, modules)
-    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward, sharding)
+    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward, sharding, policy)
     snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
     try:
         params = _make_params(owned, dims, mesh_info, policy, mp_policy, sharding)
@@ -123,13 +123,14 @@ def _checked_dims(
     mesh_info: MeshInfo,
     reshard_after_forward: bool | int | None,
     sharding: ShardingPolicy | None,
+    policy: ParamPolicy,
 ) -> list[int]:
     """Each owned parameter's shard dim, after checking tensor-parallel parameters against the mesh, the
     dims against a k-rank ``reshard_after_forward``, and the parameters against ``sharding``'s stages."""
     _check_tp_params(owned, mesh_info)
     dims = _shard_dims(shard_placement_fn, owned)
     _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
-    check_parameters(sharding, mesh_info, owned, dims)
+    check_parameters(sharding, policy, mesh_info, owned, dims)
     return dims
 
 
@@ -189,7 +190,7 @@ def _make_params(
     owned: Any, dims: list[int], info: MeshInfo, policy: ParamPolicy, mp_policy: Any, sharding: ShardingPolicy | None
 ) -> tuple[FSDPParam, ...]:
     """The group's parameters, of the class ``sharding`` asks for (HFSDP's keep a piece: ``_stages``)."""
-    kind = param_class(sharding)
+    kind = param_class(sharding, policy)
     return tuple(
         kind(param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy)
         for (fqn, param, places), dim in zip(owned, dims)
@@ -346,7 +347,10 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
             stacklevel=4,
         )
         pin = False
-    return ParamPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, offload_to_cpu=offload, pin_memory=pin)
+    host_masters = offload and offload_policy.optimizer_only  # type: ignore[attr-defined]
+    return ParamPolicy(
+        mp_policy.param_dtype, mp_policy.reduce_dtype, offload and not host_masters, pin, host_masters=host_masters
+    )
 
 
 def _check_group_dtypes(

@@ -115,11 +115,18 @@ class OffloadPolicy(BaseModel):
 
 
 class CPUOffloadPolicy(OffloadPolicy):
-    """Keep sharded parameters and gradients on CPU; copy to the device for each all-gather."""
+    """Keep sharded parameters and gradients on CPU; copy to the device for each all-gather.
+    ``optimizer_only=True`` (ZeRO-Offload's shape, not in torch's): the shards stay on the device and are
+    all-gathered from there; the fp32 master shards, their gradients and the optimizer state live (and step)
+    on the host, and each group's device shards are refreshed from the masters once after the step."""
 
     pin_memory: bool = Field(
         True,
         description="pin the host shards so host-to-device copies are asynchronous (needs CUDA).",
+    )
+    optimizer_only: bool = Field(
+        False,
+        description="ZeRO-Offload: shards stay on the device; masters, gradients and optimizer state on the host",
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -415,7 +415,7 @@ def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]
     uniform = all(p.orig_dtype == first.orig_dtype for p in params)
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
     offload_event = None
-    if first.offload_to_cpu and flat.device.type != "cpu":
+    if first.grads_on_host and flat.device.type != "cpu":
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=first.pin_memory)
         flat = host.copy_(flat, non_blocking=first.pin_memory)  # pinned: async, waited at the end of backward
         if first.pin_memory:

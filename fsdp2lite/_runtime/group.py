@@ -145,6 +145,7 @@ class FSDPParamGroup:
         self.custom_reduce_scatter = None
         self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
         self.replicas: ReplicaSync | None = None  # HFSDP: [Note: replica-sharded groups]
+        self.refreshers: tuple[Any, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
         self.set_comm_policy(comm_policy or CommPolicy())
 
     @property
@@ -213,16 +214,16 @@ class FSDPParamGroup:
         if self.resident is not None:
             self.resident.invalidate()  # the sharded parameters may be new tensors
         renewed = [param.reset_sharded_param() for param in self.params]  # a list: every parameter looks
-        if self.replicas is not None and any(renewed):
-            self.replicas.invalidate()  # the chunks' other rows hold old values
+        for sync in self.refreshers if any(renewed) else ():
+            sync.invalidate()  # the shards the all-gather reads may hold old values
         self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
-        if self.replicas is not None and self.sharded_state is ShardedState.SHARDED:
-            self.replicas.refresh()  # the pieces the optimizer stepped, back into the chunks
+        for sync in self.refreshers if self.sharded_state is ShardedState.SHARDED else ():
+            sync.refresh()  # what the optimizer stepped, back into the shards the all-gather reads
         if self.resident is not None and self.resident.reuse():
             return
         if self.sharded_state is ShardedState.SHARDED:
@@ -314,8 +315,8 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         self.post_forward_buffer = None
         keep = self.resident is not None and not free
-        if self.replicas is not None and free:
-            self.replicas.invalidate()  # an explicit reshard: gather the chunks anew too
+        for sync in self.refreshers if free else ():
+            sync.invalidate()  # an explicit reshard: rebuild the shards anew too
         if self.resident is not None and free:
             self.resident.invalidate()
         elif self.sharded_state is ShardedState.SHARDED:

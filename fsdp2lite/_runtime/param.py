@@ -61,6 +61,7 @@ class ParamPolicy:
     reduce_dtype: torch.dtype | None  # reduce-scatter dtype; None uses the param dtype
     offload_to_cpu: bool  # sharded parameters and gradients live on CPU
     pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
+    host_masters: bool = False  # optimizer_only: shards on the device, masters on the host ([Note: host masters])
 
 
 # [Note: frozen]
@@ -272,6 +273,11 @@ class FSDPParam(GradientState):
         return self.flat_shard.numel()
 
     @property
+    def grads_on_host(self) -> bool:
+        """Reduced gradients are copied to the host (CPU offload; host masters too)."""
+        return self.offload_to_cpu
+
+    @property
     def reduced_numel(self) -> int:
         """Elements of this parameter's slot in its group's reduced gradient: its padded shard's (HFSDP: its
         piece's slot)."""
@@ -308,13 +314,8 @@ class FSDPParam(GradientState):
         from ``padded_shard``, so the new local data is copied into a padded buffer and the DTensor
         is pointed back at a view of it. True when the local tensor was a new one.
         """
-        registered = self.places[0].module._parameters[self.places[0].name]
-        if isinstance(registered, DTensor) and registered is not self.sharded_param:
-            self.sharded_param = registered  # type: ignore[assignment]
-            self._set_on_modules(self.sharded_param)
-        # DTensor has no public getter or setter for its local tensor without autograd in between.
-        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
-        if local is self.local_view:
+        local = self._new_local()
+        if local is None:
             return False  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
         if self.extension is not None:
             self._adopt_hooked_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
@@ -329,6 +330,17 @@ class FSDPParam(GradientState):
         ):
             self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
         return True
+
+    def _new_local(self) -> torch.Tensor | None:
+        """The registered DTensor's local tensor when it is no longer the view made here (``to_empty``,
+        ``module.to``, an assigning load replaced it), after adopting a replaced DTensor; None when unchanged."""
+        registered = self.places[0].module._parameters[self.places[0].name]
+        if isinstance(registered, DTensor) and registered is not self.sharded_param:
+            self.sharded_param = registered  # type: ignore[assignment]
+            self._set_on_modules(self.sharded_param)
+        # DTensor has no public getter or setter for its local tensor without autograd in between.
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        return None if local is self.local_view else local
 
     def _retype(self, dtype: torch.dtype) -> None:
         """``module.to(dtype)`` after ``fully_shard`` changed the shard's dtype: the spec, the all-gather

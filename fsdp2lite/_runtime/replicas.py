@@ -107,12 +107,8 @@ class ReplicaShardedParam(FSDPParam):
         """As ``FSDPParam.reset_sharded_param``: a new local tensor (``to_empty``, ``module.to``, an assigning
         load) is written into its rows of a chunk of its dtype, and the DTensor points back at that view.
         The chunk's other rows then hold old (or no) values: the group gathers them at its next unshard."""
-        registered = self.places[0].module._parameters[self.places[0].name]
-        if isinstance(registered, DTensor) and registered is not self.sharded_param:
-            self.sharded_param = registered  # type: ignore[assignment]
-            self._set_on_modules(self.sharded_param)
-        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
-        if local is self.local_view:
+        local = self._new_local()
+        if local is None:
             return False
         device = torch.device("cpu") if self.offload_to_cpu and local.device.type != "meta" else local.device
         chunk = torch.zeros(self.padded_shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
@@ -217,3 +213,4 @@ def _offsets(sizes: list[int]) -> list[int]:
 def make_replica_sharded(group: FSDPParamGroup) -> None:
     """Turn an HSDP ``group`` of ``ReplicaShardedParam`` into an HFSDP one ([Note: replica-sharded groups])."""
     group.replicas = ReplicaSync(group)
+    group.refreshers = (*group.refreshers, group.replicas)

@@ -299,7 +299,9 @@ def policy_lines(row: GroupRow) -> list[str]:
     else:
         reshard_text = str(reshard).lower()
     offload: str = policy.offload.device
-    if offload == "cpu" and policy.offload.pin_memory:
+    if offload == "cpu" and policy.offload.optimizer_only:
+        offload += " (optimizer_only: shards stay, masters and optimizer state on the host)"
+    if offload.startswith("cpu") and policy.offload.pin_memory:
         offload += " (pin_memory)"
     dtypes = policy.mixed_precision.model_dump(mode="json")  # dtypes by their short names
     mixed = " ".join(f"{key}={dtypes[key] or 'null'}" for key in ("param_dtype", "reduce_dtype", "output_dtype"))

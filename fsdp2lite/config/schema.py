@@ -87,9 +87,25 @@ class OffloadConfig(BaseModel):
 
     device: Literal["none", "cpu"] = Field("none", description="none: on the device; cpu: on the host")
     pin_memory: bool = Field(True, description="pin host memory (with device: cpu) for async copies; needs CUDA")
+    optimizer_only: bool = Field(
+        False,
+        description="with device: cpu, ZeRO-Offload's shape: shards stay on the device, fp32 masters, "
+        "gradients and optimizer state live and step on the host",
+    )
 
     def to_policy(self) -> OffloadPolicy:
-        return CPUOffloadPolicy(pin_memory=self.pin_memory) if self.device == "cpu" else OffloadPolicy()
+        if self.device != "cpu":
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=self.pin_memory, optimizer_only=self.optimizer_only)
+
+    @model_validator(mode="after")
+    def _optimizer_only_needs_cpu(self) -> OffloadConfig:
+        if self.optimizer_only and self.device != "cpu":
+            raise ValueError(
+                f"optimizer_only: true moves the optimizer to the host, but device is {self.device!r}: "
+                "set device: cpu with it (or drop optimizer_only)"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -97,7 +113,7 @@ class OffloadConfig(BaseModel):
         """An offload policy object (fsdp2lite's or torch's) where the config's offload section goes."""
         policy = from_torch_policy(value)
         if isinstance(policy, CPUOffloadPolicy):
-            return {"device": "cpu", "pin_memory": policy.pin_memory}
+            return {"device": "cpu", "pin_memory": policy.pin_memory, "optimizer_only": policy.optimizer_only}
         if isinstance(policy, OffloadPolicy):
             return {"device": "none"}
         return value

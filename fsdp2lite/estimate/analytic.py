@@ -28,7 +28,8 @@ Candidates for the peak:
     optimizer step:           S + S_t + O + T + Z + Z_r (sharded grads, the foreach temporaries)
 Full training has R_g = R and B_g = B. The largest is the estimate; the notes name it and its largest term.
 With CPU offload, the offloaded groups' shards, sharded gradients and optimizer state leave the device
-and are counted as ``host_bytes``: shards and each group's gradient buffer at the pinned allocator's
+and are counted as ``host_bytes`` (``optimizer_only``: the shards stay, a master copy of them goes):
+shards and each group's gradient buffer at the pinned allocator's
 power-of-two block sizes (``finetune.pinned_nbytes``), the optimizer state at its size.
 """
 
@@ -151,7 +152,12 @@ def _memory_terms(
     terms["T"] = trainable if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
     on_host = [group.policy.offload.device == "cpu" for group in plan.groups]
     offloaded = [g for g, host in zip(groups, on_host) if host]
-    share = sum(g.sharded for g in offloaded) / terms["S"] if terms["S"] else 0.0
+    moved = [
+        g
+        for g, p in zip(groups, plan.groups)
+        if p.policy.offload.device == "cpu" and not p.policy.offload.optimizer_only
+    ]
+    share = sum(g.sharded for g in moved) / terms["S"] if terms["S"] else 0.0  # optimizer_only keeps its shards
     share_t = sum(t for t, host in zip(trained, on_host) if host) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
     host = sum(g.pinned for g in offloaded) + int(terms["O"] * share_t)  # pinned shards and grads, pageable state
