@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from .._units import parse_size
 from ..config import ConfigError, FSDPConfig
 from ..estimate import BREAKDOWN_KEYS, DEVICES, METHODS, OPTIMIZERS, MemoryEstimate, default_config, estimate_memory
 from ..estimate.common import default_seq, token_spec
-from ..estimate.finetune import FINETUNES, Finetune, plan_model
+from ..estimate.finetune import FINETUNES, Finetune, plan_model, planned_factory
+from ..estimate.offload_budget import resolve_offload_budget
 from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime, find_gpu, find_link
 from ..finetune.lora import DEFAULT_TARGETS, targets_problem
 from ..finetune.sharding import finetune_config
@@ -52,32 +54,14 @@ DESCRIPTION = (
     "size, before launching: simulated with the real runtime on fake tensors, or a closed form. With "
     "--budget, find the settings with the least communication that fit."
 )
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 def parse_bytes(text: str) -> int:
-    """``80GiB``, ``1.5 TB``, ``2e9``, ``123456`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected a size: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
-            f"e.g. 256GiB, 512GB or 2e11; got {text!r}"
-        )
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return int(value)
+    """``80GiB``, ``1.5 TB``, ``2e9``, ``123456`` -> bytes (``_units.parse_size``, as an argparse type)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,8 +150,6 @@ def _hardware(args: argparse.Namespace) -> tuple[str | Link, str | Gpu, str]:
 
 def run(args: argparse.Namespace) -> int:
     prog = "fsdp2lite estimate"
-    if args.write_config and args.budget is None:
-        raise UsageError("--write-config needs --budget (it writes the settings the search chose)", prog=prog)
     if args.rank >= args.world_size:
         raise UsageError(f"argument --rank: must be < --world-size ({args.world_size}), got {args.rank}", prog=prog)
     link, gpu, hardware = _hardware(args)
@@ -197,6 +179,14 @@ def run(args: argparse.Namespace) -> int:
     }  # fmt: skip
     per_node = args.ranks_per_node or min(args.world_size, 8)
     base = config or default_config(model)
+    if args.write_config and args.budget is None and base.offload.budget is None:
+        raise UsageError(
+            "--write-config needs --budget (it writes the settings the search chose) or a --config with "
+            "offload.budget (it writes the placement the budget resolved to)",
+            prog=prog,
+        )
+    if base.offload.budget is not None:
+        base = _resolve_budget(args, console, planned_factory(factory, finetune), base, common)
     if args.budget is not None:
         job = SearchJob(
             factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram
@@ -218,6 +208,38 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record))
     return 0
+
+
+def _resolve_budget(
+    args: argparse.Namespace, console: Console, factory: Any, config: FSDPConfig, common: dict[str, Any]
+) -> FSDPConfig:
+    """The config's ``offload.budget`` resolved ([Note: offload budget]): the placement printed, and written
+    with ``--write-config`` (without ``--budget``); the resolved config is what the rest estimates."""
+    keys = ("world_size", "batch", "seq", "optimizer", "device", "inputs")
+    placement = resolve_offload_budget(factory, config, **{key: common[key] for key in keys})
+    kind = "optimizer_only" if config.offload.optimizer_only else "full"
+    moved = ", ".join(placement.offloaded) or "none"
+    console.print(
+        f"offload budget {human_bytes(placement.budget)}: {len(placement.offloaded)} of {placement.candidates} "
+        f"groups offloaded ({kind}, largest first): {moved}; analytic peak "
+        f"{human_bytes(placement.estimate.peak_bytes)}",
+        soft_wrap=True,
+    )
+    if not placement.fits:
+        activations = placement.estimate.breakdown.get("activations", 0)
+        console.print(
+            f"[red]the budget {human_bytes(placement.budget)} is not reached even with every group offloaded: "
+            f"{human_bytes(placement.estimate.peak_bytes)} at the peak, of which activations alone are "
+            f"{human_bytes(activations)}[/red] (a smaller batch or sequence, or activation checkpointing)"
+        )
+    if args.write_config and args.budget is None:
+        Path(args.write_config).write_text(
+            f"# {args.config}'s offload budget resolved by fsdp2lite estimate for world size {args.world_size}, "
+            f"batch {args.batch}\n" + placement.config.to_yaml(),
+            encoding="utf-8",
+        )
+        console.print(f"wrote {args.write_config}")
+    return placement.config
 
 
 def _is_token_model(model: Any) -> bool:

@@ -448,8 +448,29 @@ def run(args: argparse.Namespace) -> int:
         config.mesh.resolve(args.world_size)
     except ValueError as exc:
         raise UsageError(f"argument --world-size: {exc}", _PROG) from None
+    if config.offload.budget is not None:
+        config = _resolved_budget(console, factory, config, args.world_size)
     explanation = explain_config(model, config, args.world_size)
     source = args.config or "the default plan (" + (", ".join(_rule_classes(config)) or "root only") + ")"
     title = f"{type(model).__name__} ({args.model}) under {source}, world size {args.world_size}"
     show_explanation(console, title, explanation)
     return 1 if explanation.unmatched or explanation.refused else 0
+
+
+def _resolved_budget(console: Console, factory: Any, config: FSDPConfig, world_size: int) -> FSDPConfig:
+    """``offload.budget`` resolved at batch 1 and the model's default sequence ([Note: offload budget]);
+    ``fsdp2lite estimate --config`` resolves it at the batch and sequence given."""
+    from ..estimate.offload_budget import resolve_offload_budget
+
+    try:
+        placement = resolve_offload_budget(factory, config, world_size)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"cannot resolve offload.budget: {exc}", _PROG) from None
+    console.print(
+        f"offload budget {human_bytes(placement.budget)} at batch 1 (fsdp2lite estimate --config takes yours): "
+        f"{len(placement.offloaded)} of {placement.candidates} groups offloaded, largest first: "
+        f"{', '.join(placement.offloaded) or 'none'}; analytic peak {human_bytes(placement.estimate.peak_bytes)}"
+        + ("" if placement.fits else " [red](over the budget even with every group offloaded)[/red]"),
+        soft_wrap=True,
+    )
+    return placement.config

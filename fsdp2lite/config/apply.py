@@ -69,6 +69,13 @@ def _check_apply_arguments(model: Any, config: Any, mesh: Any) -> None:
         )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"apply_config: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if config.offload.budget is not None:  # [Note: offload budget] (estimate/offload_budget.py)
+        raise ValueError(
+            f"apply_config: offload.budget: {config.offload.budget} is resolved by the planner (which groups go to "
+            "the host depends on the batch and sequence): run `fsdp2lite estimate --config FILE --model M "
+            "--world-size N --batch B --seq S --write-config OUT.yaml` and apply OUT.yaml, or apply "
+            "fsdp2lite.estimate.resolve_offload_budget(...).config"
+        )
 
 
 def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, fully_shard: Any) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .._units import parse_size
 from ..mesh import resolve_mesh_degrees
 from ..policies import (
     CommPolicy,
@@ -92,6 +93,23 @@ class OffloadConfig(BaseModel):
         description="with device: cpu, ZeRO-Offload's shape: shards stay on the device, fp32 masters, "
         "gradients and optimizer state live and step on the host",
     )
+    budget: str | None = Field(
+        None,
+        description="top level only, with device: none: device memory per rank (e.g. 20GiB); the planner "
+        "offloads the largest groups first (the kind optimizer_only says) until its estimate fits "
+        "(fsdp2lite estimate --config ... --write-config resolves it)",
+    )
+
+    @field_validator("budget")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)  # ValueError naming the text and the forms a size takes
+        return value
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget is None else parse_size(self.budget)
 
     def to_policy(self) -> OffloadPolicy:
         if self.device != "cpu":
@@ -100,6 +118,13 @@ class OffloadConfig(BaseModel):
 
     @model_validator(mode="after")
     def _optimizer_only_needs_cpu(self) -> OffloadConfig:
+        if self.budget is not None and self.device != "none":
+            raise ValueError(
+                f"budget: {self.budget} chooses which groups go to the host, but device: {self.device} sends every "
+                "group there: leave device at none with a budget (optimizer_only: true picks ZeRO-Offload's kind)"
+            )
+        if self.budget is not None:
+            return self
         if self.optimizer_only and self.device != "cpu":
             raise ValueError(
                 f"optimizer_only: true moves the optimizer to the host, but device is {self.device!r}: "
@@ -290,6 +315,17 @@ class FSDPConfig(BaseModel):
                 f"shard: {self.sharding.shard}; give one of them"
             )
         object.__setattr__(self, "sharding", ShardingPolicy(shard=implied, replicate=self.sharding.replicate))
+        return self
+
+    @model_validator(mode="after")
+    def _budget_at_the_top(self) -> FSDPConfig:
+        """A budget is one number for the whole model: refused in a wrap rule's offload."""
+        for index, rule in enumerate(self.wrap):
+            if rule.offload is not None and rule.offload.budget is not None:
+                raise ValueError(
+                    f"wrap[{index}].offload.budget: {rule.offload.budget}: a budget is for the whole model; give it "
+                    "in the top-level offload section"
+                )
         return self
 
     @model_validator(mode="after")

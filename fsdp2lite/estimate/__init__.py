@@ -46,10 +46,12 @@ from .common import (
     sharded_nbytes,
 )
 from .finetune import FINETUNES, NF4_BITS, Finetune, as_finetune, planned_factory
+from .offload_budget import BudgetPlacement, resolve_offload_budget
 from .simulate import simulate_estimate
 
 __all__ = [
     "BREAKDOWN_KEYS",
+    "BudgetPlacement",
     "DEVICES",
     "FINETUNES",
     "NF4_BITS",
@@ -62,6 +64,7 @@ __all__ = [
     "estimate_memory",
     "make_optimizer",
     "offloaded_share",
+    "resolve_offload_budget",
     "sharded_nbytes",
 ]
 

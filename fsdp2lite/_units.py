@@ -1,0 +1,32 @@
+"""Sizes people write (``24GiB``, ``512GB``, ``2e11``) as bytes: for command-line flags and policy files alike."""
+
+from __future__ import annotations
+
+import re
+
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``1.5 TB``, ``2e9``, ``123456`` -> bytes; ValueError naming the text and the valid forms."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if match is None or match.group(2).lower() not in UNITS:
+        raise ValueError(
+            f"expected a size: a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+            f"e.g. 256GiB, 512GB or 2e11; got {text!r}"
+        )
+    value = float(match.group(1)) * UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return int(value)
