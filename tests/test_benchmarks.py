@@ -195,3 +195,41 @@ def test_bench_zero_runs_every_strategy_on_4_ranks(tmp_path: Path, capsys: pytes
     assert table[3][:3] == ["HFSDP", "2x2", bench_zero.UNAVAILABLE]
     assert sorted(Path(f).suffix for f in record["files"]) == [".json", ".md"]
     assert "zero-cpu-" in record["files"][0] and "command" in Path(record["files"][1]).read_text()
+
+
+# ---- bench_offload.py ---------------------------------------------------------------------------
+
+
+def test_bench_offload_runs_both_libraries_with_offload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny run end to end (one spawn of 2 gloo ranks): every run timed; fast_host_step's runs call the fused
+    kernel once per step and dispatch fewer ops than the for-loop; the losses agree; the ratios are medians of
+    per-step ratios; the files carry the numbers."""
+    import json
+    import statistics
+
+    import bench_offload
+
+    record = bench_offload.main([
+        "--steps", "3", "--warmup", "1", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
+        "--seq-len", "16", "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"] == record["runs"]
+    runs = record["runs"]
+    assert list(runs) == [setup.name for setup in bench_offload.SETUPS]
+    for name, row in runs.items():
+        assert row["rank0_fused_adamw_calls"] == int(row["fast_host_step"]), name
+        assert [group["fused"] for group in row["param_groups"]] == [True if row["fast_host_step"] else None], name
+        assert len(row["step_ms"]) == len(row["host_step_ms"]) == 3, name
+        assert all(h < w for h, w in zip(row["host_step_ms"], row["step_ms"], strict=True)), name
+        assert row["max_loss_diff_vs_torch"] < 1e-5, name
+    fast, torch_row = runs[bench_offload.MAIN], runs[bench_offload.RIVAL]
+    assert fast["rank0_ops_per_host_step"] < torch_row["rank0_ops_per_host_step"]
+    ratios = [a / b for a, b in zip(fast["host_step_ms"], torch_row["host_step_ms"], strict=True)]
+    assert record["host_step_ratio"] == pytest.approx(statistics.median(ratios))
+    assert record["target"]["ok"] == (record["host_step_ratio"] <= bench_offload.TARGET)
+    assert sorted(Path(f).suffix for f in record["files"]) == [".json", ".md"]
+    assert "offload-cpu-" in record["files"][0] and "command" in Path(record["files"][1]).read_text()
+    for argv, needle in ((["--world-size", "1"], "--world-size"), (["--d-model", "30", "--heads", "4"], "multiple")):
+        with pytest.raises(SystemExit) as info:
+            bench_offload.parse_args(argv)
+        assert info.value.code == 2 and needle in capsys.readouterr().err

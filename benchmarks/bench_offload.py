@@ -1,0 +1,332 @@
+"""CPU offload's host step (issue 33): fsdp2lite's CPUOffloadPolicy with fast_host_step(AdamW) against torch's
+fully_shard with torch's CPUOffloadPolicy and AdamW as torch picks it.
+
+What: a GPT (``fsdp2lite.models.GPT``, by default vocab 8192, seq 64, d_model 512, 8 heads, 4 layers, tied
+embeddings: 16.8M parameters; one sequence per rank, so that the forward and backward, which run on the same
+cores here but on a GPU in an offloaded job, do not drown the host step) built from one seed per run, every
+block its own group, then the root, trained with AdamW (lr 1e-4, fp32) on the same batch per rank (different
+per rank), on gloo ranks on CPU (one spawn, one thread per rank). The sharded parameters, their gradients and
+AdamW's state live on the host in every run:
+    fsdp2lite + fast_host_step  ``fl.fully_shard(m, mesh, offload_policy=fl.CPUOffloadPolicy(pin_memory=False))``,
+                                ``fast_host_step(AdamW)``: torch's fused CPU kernel, one call per step
+    torch                       ``torch.distributed.fsdp.fully_shard(m, mesh=mesh, offload_policy=
+                                CPUOffloadPolicy(pin_memory=False))``, ``AdamW`` as constructed: torch picks the
+                                per-parameter for-loop for CPU tensors (foreach is for CUDA). The rival.
+    fsdp2lite + AdamW           fsdp2lite with the rival's step: the runtime's share apart from the step's
+    torch + fast_host_step      the rival's runtime with the fused step: the step's share apart from the runtime's
+Per run and step, after warm-up, step i of every run in turn, a barrier before each, each time the slowest rank's:
+the whole step (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) and the host step
+(``optimizer.step()`` alone). Reported: medians, and medians of per-step ratios against torch (adjacent steps cancel
+the machine's drift); the aten ops one ``optimizer.step()`` dispatches on rank 0 (counted, not timed: the for-loop's
+per-parameter ops against the fused kernel's one); every step's loss (mean over ranks) and its largest difference
+from torch's (the fused and the for-loop step round differently: below 1e-6 on a loss near 9 at the start).
+
+Why: issue 33's target, the host step at most 0.5x torch's, and what it does to the whole step, in one run.
+
+How to run (about 40 s on a 2-core machine with the defaults):
+    .venv/bin/python benchmarks/bench_offload.py [--steps 10] [--warmup 2] [--world-size 2] [--layers 4]
+        [--d-model 512] [--heads 8] [--vocab 8192] [--seq-len 64] [--batch 1]
+        [--out-dir benchmarks/results] [--no-save]
+Prints a rich table and, last, one JSON line; unless --no-save, writes ``<out-dir>/offload-cpu-<YYYYmmdd-HHMMSS>``
+``.json`` (every number, machine, versions, command line) and ``.md``. Do not launch it with torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from _meters import count_ops  # benchmarks/ is sys.path[0] when run as a script
+from _results import environment, environment_markdown, markdown_table, save_run
+from bench_step import median_ratio, spawn_and_read
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import fsdp2lite as fl
+from fsdp2lite._spawn import exit_rank_process
+from fsdp2lite.models import GPT, GPTConfig
+from fsdp2lite.offload.host_step import fast_host_step
+
+DEVICE = "cpu"
+LR = 1e-4
+TARGET = 0.5  # issue 33: host step fsdp2lite + fast_host_step / torch
+RIVAL = "torch"
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens (batch, seq), targets (batch, seq))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way to shard and step the model."""
+
+    name: str  # row label and JSON key
+    library: str  # "fsdp2lite" or "torch"
+    fast: bool  # fast_host_step on the AdamW
+
+
+SETUPS = (
+    Setup("fsdp2lite + fast_host_step", "fsdp2lite", True),
+    Setup(RIVAL, "torch", False),
+    Setup("fsdp2lite + AdamW", "fsdp2lite", False),
+    Setup("torch + fast_host_step", "torch", True),
+)
+MAIN = SETUPS[0].name  # the row the target is about
+
+
+class Run(NamedTuple):
+    model: GPT  # sharded as its setup says
+    optimizer: torch.optim.Optimizer
+    losses: list[float]  # every step's, on this rank
+
+
+def build(setup: Setup, config: GPTConfig, mesh: DeviceMesh) -> Run:
+    """The GPT (seed 0), every block then the root sharded with CPU offload; AdamW, fused when ``setup.fast``."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    for module in [*model.blocks, model]:
+        if setup.library == "fsdp2lite":
+            fl.fully_shard(module, mesh, offload_policy=fl.CPUOffloadPolicy(pin_memory=False))
+        else:
+            torch_fully_shard(module, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    return Run(model, fast_host_step(optimizer) if setup.fast else optimizer, [])
+
+
+def make_batch(config: GPTConfig, batch: int, rank: int) -> Batch:
+    """Fixed per rank, the same for every run."""
+    tokens = torch.randint(
+        0, config.vocab_size, (batch, config.seq_len + 1), generator=torch.Generator().manual_seed(rank)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(run: Run, batch: Batch) -> tuple[float, float]:
+    """One step; (whole step, ``optimizer.step()``) in seconds. The loss is kept."""
+    start = time.perf_counter()
+    loss = run.model.loss(*batch)
+    loss.backward()
+    step_start = time.perf_counter()
+    run.optimizer.step()
+    step_end = time.perf_counter()
+    run.optimizer.zero_grad()
+    end = time.perf_counter()
+    run.losses.append(loss.item())
+    return end - start, step_end - step_start
+
+
+def time_interleaved(runs: list[Run], batch: Batch, warmup: int, steps: int) -> torch.Tensor:
+    """Seconds (run, step, [whole, host step]) on this rank after ``warmup`` steps; step i of every run in turn."""
+    times = torch.zeros(len(runs), steps, 2, dtype=torch.float64)
+    for step in range(-warmup, steps):
+        for index, run in enumerate(runs):
+            dist.barrier()  # every rank starts the step together
+            measured = train_step(run, batch)
+            if step >= 0:
+                times[index, step] = torch.tensor(measured, dtype=torch.float64)
+    return times
+
+
+def count_step_ops(run: Run, batch: Batch) -> dict[str, int]:
+    """aten ops one ``optimizer.step()`` dispatches (a DTensor op counts once), by name; one extra step."""
+    loss = run.model.loss(*batch)
+    loss.backward()
+    ops = count_ops(run.optimizer.step)
+    run.optimizer.zero_grad()
+    run.losses.append(loss.item())
+    return dict(ops)
+
+
+def measure_rank(
+    rank: int, world_size: int, config: GPTConfig, batch_size: int, warmup: int, steps: int
+) -> dict[str, Any]:
+    """Every run built, timed interleaved, its step's ops counted; times max and losses mean over the ranks."""
+    mesh = init_device_mesh(DEVICE, (world_size,), mesh_dim_names=("shard",))
+    batch = make_batch(config, batch_size, rank)
+    runs = [build(setup, config, mesh) for setup in SETUPS]
+    times = time_interleaved(runs, batch, warmup, steps)
+    ops = [count_step_ops(run, batch) for run in runs]
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    losses = torch.tensor([run.losses for run in runs], dtype=torch.float64)  # (run, step)
+    dist.all_reduce(losses)
+    return {
+        "n_params": sum(p.numel() for p in GPT(config).parameters()),
+        "step_s": {s.name: times[i, :, 0].tolist() for i, s in enumerate(SETUPS)},
+        "host_step_s": {s.name: times[i, :, 1].tolist() for i, s in enumerate(SETUPS)},
+        "losses": {s.name: (losses[i] / world_size).tolist() for i, s in enumerate(SETUPS)},
+        "rank0_step_ops": {s.name: ops[i] for i, s in enumerate(SETUPS)},
+        "param_groups": {s.name: _group_flags(run.optimizer) for s, run in zip(SETUPS, runs)},
+    }
+
+
+def _group_flags(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{"params": len(g["params"]), "fused": g["fused"], "foreach": g["foreach"]} for g in optimizer.param_groups]
+
+
+def _rank_entry(
+    rank: int, out_file: str, init_file: str, world_size: int, config: GPTConfig, batch: int, warmup: int, steps: int
+) -> None:
+    torch.set_num_threads(1)  # ranks share the cores: one thread each
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    result = measure_rank(rank, world_size, config, batch, warmup, steps)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(result))
+    dist.barrier()  # rank 0's file is written before any rank leaves
+    dist.destroy_process_group()
+    exit_rank_process()  # no interpreter finalization after gloo ([Note: rank exit] in fsdp2lite/_spawn.py)
+
+
+def run_ranks(world_size: int, config: GPTConfig, batch: int, warmup: int, steps: int) -> dict[str, Any]:
+    """One spawn of ``world_size`` gloo ranks (rendezvous through a temporary file); rank 0's reduced result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (str(Path(tmp) / "pg"), world_size, config, batch, warmup, steps)
+        return spawn_and_read(_rank_entry, world_size, args)
+
+
+def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
+    """One run's numbers (ms) and its ratios against torch (medians of per-step ratios)."""
+    whole, host = result["step_s"][setup.name], result["host_step_s"][setup.name]
+    losses, rival = result["losses"][setup.name], result["losses"][RIVAL]
+    ops = result["rank0_step_ops"][setup.name]
+    return {
+        "library": setup.library, "fast_host_step": setup.fast, "param_groups": result["param_groups"][setup.name],
+        "step_ms_median": 1e3 * statistics.median(whole), "step_ms": [1e3 * t for t in whole],
+        "host_step_ms_median": 1e3 * statistics.median(host), "host_step_ms": [1e3 * t for t in host],
+        "step_vs_torch": median_ratio(whole, result["step_s"][RIVAL]),
+        "host_step_vs_torch": median_ratio(host, result["host_step_s"][RIVAL]),
+        "host_share_of_step": statistics.median(h / w for h, w in zip(host, whole, strict=True)),
+        "rank0_ops_per_host_step": sum(ops.values()), "rank0_fused_adamw_calls": ops.get("aten::_fused_adamw_", 0),
+        "losses": losses, "max_loss_diff_vs_torch": max(abs(a - b) for a, b in zip(losses, rival, strict=True)),
+    }  # fmt: skip
+
+
+def summarize(result: dict[str, Any], args: argparse.Namespace, config: GPTConfig, load: float) -> dict[str, Any]:
+    rows = {setup.name: summarize_row(setup, result) for setup in SETUPS}
+    host_ratio, step_ratio = rows[MAIN]["host_step_vs_torch"], rows[MAIN]["step_vs_torch"]
+    return {
+        "model": asdict(config), "n_params": result["n_params"], "batch_per_rank": args.batch,
+        "world_size": args.world_size, "backend": "gloo", "device": DEVICE, "optimizer": f"AdamW lr {LR}, fp32",
+        "warmup": args.warmup, "steps": args.steps, "load_average_at_start": load,  # well above 0: a shared machine
+        "runs": rows, "host_step_ratio": host_ratio, "step_ratio": step_ratio,
+        "target": {"what": f"host step {MAIN} / {RIVAL} <= {TARGET}", "value": host_ratio, "ok": host_ratio <= TARGET},
+    }  # fmt: skip
+
+
+COLUMNS = (
+    "run", "step ms", "vs torch", "host step ms", "vs torch", "host share", "ops/step", "last loss", "max dloss",
+)  # fmt: skip
+
+
+def table_rows(summary: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            name, f"{row['step_ms_median']:.1f}", f"{row['step_vs_torch']:.3f}", f"{row['host_step_ms_median']:.2f}",
+            f"{row['host_step_vs_torch']:.3f}", f"{row['host_share_of_step']:.3f}", str(row["rank0_ops_per_host_step"]),
+            f"{row['losses'][-1]:.6f}", f"{row['max_loss_diff_vs_torch']:.1e}",
+        ]
+        for name, row in summary["runs"].items()
+    ]  # fmt: skip
+
+
+def title(summary: dict[str, Any]) -> str:
+    model = summary["model"]
+    return (
+        f"CPU offload host step: GPT d{model['d_model']} x {model['n_layers']} layers, vocab {model['vocab_size']}, "
+        f"seq {model['seq_len']} ({summary['n_params'] / 1e6:.1f}M params), batch {summary['batch_per_rank']} per "
+        f"rank, {summary['world_size']} gloo ranks, {summary['steps']} steps after {summary['warmup']} warm-up"
+    )
+
+
+def notes(summary: dict[str, Any]) -> list[str]:
+    target = summary["target"]
+    groups = "; ".join(f"{name}: {row['param_groups']}" for name, row in summary["runs"].items())
+    return [
+        f"host step {MAIN} / {RIVAL}: {summary['host_step_ratio']:.3f}x; whole step: {summary['step_ratio']:.3f}x "
+        "(medians of per-step ratios)",
+        f"target {target['what']}: {'PASS' if target['ok'] else 'FAIL'} ({target['value']:.3f})",
+        "host share: optimizer.step() / whole step (median); ops/step: aten ops one optimizer.step() dispatches on "
+        "rank 0 (a DTensor op counts once); max dloss: largest |loss - torch's loss| over the steps",
+        f"param groups (params, fused, foreach): {groups}",
+        f"load average at start {summary['load_average_at_start']:.2f}",
+    ]
+
+
+def render(console: Console, summary: dict[str, Any]) -> None:
+    table = Table(title=title(summary))
+    for index, column in enumerate(COLUMNS):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in table_rows(summary):
+        table.add_row(*row)
+    console.print(table)
+    for line in notes(summary):
+        console.print(f"  {line}", highlight=False, markup=False)
+
+
+def markdown(summary: dict[str, Any], env: dict[str, Any]) -> str:
+    bullets = "".join(f"- {line}\n" for line in notes(summary))
+    return (
+        f"# bench_offload on {summary['device']}\n\n{title(summary)}; {summary['optimizer']}; parameters, gradients "
+        "and optimizer state on the host in every run. Times are the slowest rank's; ratios are medians of per-step "
+        f"ratios against torch.\n\n{markdown_table(COLUMNS, table_rows(summary))}\n{bullets}\n"
+        f"{environment_markdown(env)}"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (lazy init, state allocation)")
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (one thread each)")
+    parser.add_argument("--layers", type=int, default=4, help="GPT blocks, each its own group")
+    parser.add_argument("--d-model", type=int, default=512, help="model width")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (d-model must be a multiple)")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (tied embedding and head)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--no-save", action="store_true", help="print only, write no files")
+    args = parser.parse_args(argv)
+    for flag in ("steps", "warmup", "layers", "d_model", "heads", "vocab", "seq_len", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.world_size < 2:
+        parser.error(f"--world-size must be >= 2 (sharded across ranks), got {args.world_size}")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    started, start = datetime.datetime.now(), time.perf_counter()
+    console = Console() if Console().is_terminal else Console(width=200)  # piped or logged: one line per row
+    env, load = environment(started), os.getloadavg()[0]  # the code that runs and the machine's load, before the run
+    config = GPTConfig(args.vocab, args.seq_len, args.d_model, args.heads, args.layers, tie_embeddings=True)
+    with console.status(f"{args.world_size} gloo ranks, {len(SETUPS)} runs, {args.warmup} + {args.steps} steps"):
+        result = run_ranks(args.world_size, config, args.batch, args.warmup, args.steps)
+    summary = summarize(result, args, config, load)
+    render(console, summary)
+    files = []
+    if not args.no_save:
+        stem = f"offload-{DEVICE}-{started:%Y%m%d-%H%M%S}"
+        files = save_run(args.out_dir, stem, {**env, **summary}, markdown(summary, env))
+        for path in files:
+            console.print(f"wrote {path}", highlight=False)
+    record = {**env, "wall_s": round(time.perf_counter() - start, 1), "files": files, **summary}
+    print(json.dumps(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()

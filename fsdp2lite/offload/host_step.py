@@ -1,0 +1,230 @@
+"""A fast optimizer step on the host: torch's fused CPU Adam/AdamW kernel for CPU-offloaded parameters.
+
+With ``CPUOffloadPolicy`` the sharded parameters, their gradients and the optimizer state live on the host
+and ``optimizer.step()`` runs there. torch's Adam and AdamW pick the per-parameter for-loop for CPU tensors
+(``foreach`` is for CUDA): about ten ops per parameter, each dispatched through DTensor. The fused CPU kernel
+(``fused=True``, torch >= 2.4) does the whole update in one pass over memory and one dispatch per step.
+
+``fast_host_step(optimizer)`` switches an existing Adam/AdamW to that kernel for its host parameters, keeping
+its state; see [Note: fused CPU kernel layouts] for the one thing the kernel gets wrong and how it is kept
+away from it, and docs/offload.md for the decisions and the measured speed.
+
+[Note: fused CPU kernel layouts]
+torch's CPU ``_fused_adam_``/``_fused_adamw_`` checks no strides (torch 2.11 and 2.13; the CUDA kernel
+refuses mismatched ones, pytorch#106951): it is right only when the parameter, its gradient and its state
+are each non-overlapping and dense, with the same strides. Otherwise it is silently wrong: a (5, 3) view of
+a (5, 4) buffer, or a contiguous parameter with a transposed gradient, moves by values off by 0.3-0.6 after
+three steps at lr 0.1. fsdp2lite makes such a
+shard: ``Shard(1)`` with uneven chunks leaves the last rank a ``(rows, k)`` view of its ``(rows, k + pad)``
+padded shard, and ``zeros_like`` gives its Adam state contiguous strides. So before every step a
+``_LayoutGuard`` (a step pre-hook) checks each fused group's host parameters: one that is not dense, or whose
+gradient or state has other strides (a shard as above, a gradient assigned by hand, a state loaded with
+other strides), is stepped on the for-loop for that step, in a group of its own that the post-hook removes
+again. The groups' structure never changes, so it is the same on every rank (only the last rank may hold
+such a shard) and in every checkpoint; ``fast_host_step`` warns once about the shards it finds.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)  # exact types: AdamW subclasses Adam on recent torch
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's per-parameter tensors, shaped as the param
+
+
+def fast_host_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Run ``optimizer``'s host (CPU) parameters through torch's fused CPU Adam/AdamW kernel; return it.
+
+    For ``torch.optim.Adam`` or ``torch.optim.AdamW``: every param group with parameters on the host gets
+    ``fused=True`` and ``foreach=False``; its hyperparameters and state are kept (the state's tensors are the
+    same objects, so a checkpoint loads as before). A group that mixes host parameters with parameters the
+    kernel cannot take on the host (device parameters, complex ones) is split: the host floating-point
+    parameters stay in the group, now fused; the others move to a new group appended at the end, with the
+    same hyperparameters and the group's old ``fused``/``foreach``. Existing group indices keep their meaning.
+    A host shard the kernel would update wrongly is stepped on the for-loop instead, step by step
+    ([Note: fused CPU kernel layouts]).
+
+    Everything is checked before anything changes. What cannot be sped up is left as it is, with one
+    ``UserWarning`` naming it: another optimizer class (SGD, a subclass of AdamW, ...), a group with
+    ``differentiable=True``, an optimizer with no host parameters, and a group that would need a split while
+    an LR scheduler already holds one learning rate per group (call ``fast_host_step`` before making it).
+    Calling it again changes nothing. ``optimizer._step_supports_amp_scaling`` is left as it was, so a
+    ``GradScaler`` unscales the gradients itself, for fused and other groups alike.
+
+    Raises ``TypeError`` when ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fast_host_step takes a torch.optim.Optimizer (Adam or AdamW), got {type(optimizer).__name__}")
+    if type(optimizer) not in ADAM_TYPES:
+        _warn(optimizer, ["every group (only torch.optim.Adam and AdamW have the fused CPU kernel)"])
+        return optimizer
+    plans, left_out = _plan(optimizer)
+    for plan in plans:
+        _apply(optimizer, plan)
+    if any(_has_host_params(group) and group.get("fused") for group in optimizer.param_groups):
+        _LayoutGuard.install(optimizer)
+    if left_out:
+        _warn(optimizer, left_out)
+    return optimizer
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """One param group's change: its ``fused`` parameters stay and switch, its ``rest`` move to a new group."""
+
+    index: int
+    fused: list[torch.Tensor]
+    rest: list[torch.Tensor]
+
+
+def _plan(optimizer: torch.optim.Optimizer) -> tuple[list[_GroupPlan], list[str]]:
+    """Every group's change, and what is left out and why. Changes nothing."""
+    plans: list[_GroupPlan] = []
+    left_out: list[str] = []
+    has_scheduler = hasattr(optimizer.step, "_wrapped_by_lr_sched") or any(
+        "initial_lr" in group for group in optimizer.param_groups
+    )  # an LR scheduler wraps step and sets initial_lr per group: it holds one lr per group from then on
+    for index, group in enumerate(optimizer.param_groups):
+        left_out.extend(
+            f"param_groups[{index}][{position}] {_describe(p)} (its local shard is not dense: stepped on the "
+            "for-loop, [Note: fused CPU kernel layouts] in fsdp2lite/offload/host_step.py)"
+            for position, p in enumerate(group["params"])
+            if _on_host(p) and torch.is_floating_point(p) and _dense_strides(_local(p)) is None
+        )
+        fused = [p for p in group["params"] if _on_host(p) and torch.is_floating_point(p)]
+        if not fused or (group.get("fused") and not group.get("foreach")):
+            continue  # nothing for the kernel here, or already on it
+        if group.get("differentiable"):
+            left_out.append(f"param_groups[{index}] (differentiable=True: the fused kernel has no autograd)")
+            continue
+        chosen = {id(p) for p in fused}
+        rest = [p for p in group["params"] if id(p) not in chosen]
+        left_out.extend(
+            f"param_groups[{index}][{position}] {_describe(p)} (dtype {p.dtype}: the kernel takes floating point)"
+            for position, p in enumerate(group["params"])
+            if _on_host(p) and not torch.is_floating_point(p)
+        )
+        if rest and has_scheduler:
+            left_out.append(
+                f"param_groups[{index}] (mixes {len(fused)} host parameters with {len(rest)} others, and an LR "
+                "scheduler already holds one learning rate per group: call fast_host_step before making it)"
+            )
+            continue
+        plans.append(_GroupPlan(index, fused, rest))
+    if not any(_has_host_params(group) for group in optimizer.param_groups):
+        left_out.append("every group (no parameter is on the host: fast_host_step speeds up CPU-offloaded steps)")
+    return plans, left_out
+
+
+def _apply(optimizer: torch.optim.Optimizer, plan: _GroupPlan) -> None:
+    """Switch one group to the fused kernel; its other parameters into a new group with its old settings."""
+    group = optimizer.param_groups[plan.index]
+    if plan.rest:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        optimizer.param_groups.append({**settings, "params": plan.rest})  # the dict add_param_group makes
+        group["params"] = plan.fused
+    group["fused"] = True
+    group["foreach"] = False  # torch refuses fused and foreach both True
+
+
+def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of the dims longer than 1 if ``tensor`` is non-overlapping and dense, else None.
+
+    Dense: its elements fill ``numel`` consecutive slots. E.g. (5, 3) strides (3, 1): yes, (3, 1); its
+    transpose (3, 5) strides (1, 3): yes, (1, 3); a (5, 3) slice of a (5, 4) buffer, strides (4, 1): no.
+    """
+    if tensor.numel() == 0:
+        return ()
+    dims = [(stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1]
+    expected = 1
+    for stride, size in sorted(dims):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(stride for stride, _ in dims)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the attribute the runtime sets: ``to_local()`` costs an autograd call on
+    every step), else the tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+
+
+def _on_host(param: torch.Tensor) -> bool:
+    return param.device.type == "cpu"
+
+
+def _has_host_params(group: dict[str, Any]) -> bool:
+    return any(_on_host(p) for p in group["params"])
+
+
+def _describe(param: torch.Tensor) -> str:
+    kind = "DTensor" if isinstance(param, DTensor) else "tensor"
+    return f"{kind} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')}"
+
+
+def _warn(optimizer: torch.optim.Optimizer, left_out: list[str]) -> None:
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    warnings.warn(f"fast_host_step: {name} keeps torch's default step for " + "; ".join(left_out), stacklevel=3)
+
+
+class _LayoutGuard:
+    """Step pre- and post-hook: for one step, a fused group's host parameters whose layouts the kernel would
+    get wrong move to a for-loop group of their own ([Note: fused CPU kernel layouts])."""
+
+    moved: list[tuple[dict[str, Any], list[torch.Tensor], dict[str, Any]]]  # (group, its params, loop group)
+
+    def __init__(self) -> None:
+        self.moved = []
+
+    @classmethod
+    def install(cls, optimizer: torch.optim.Optimizer) -> None:
+        """Register one guard on ``optimizer``, unless it has one."""
+        hooks: Iterable[object] = getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()
+        if any(isinstance(hook, cls) for hook in hooks):
+            return
+        guard = cls()
+        optimizer.register_step_pre_hook(guard)
+        optimizer.register_step_post_hook(guard.restore)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.restore(optimizer)  # a step that raised left its loop groups behind
+        for group in list(optimizer.param_groups):
+            if not group.get("fused"):
+                continue
+            wrong = [p for p in group["params"] if not _layouts_match(optimizer, p)]
+            if not wrong:
+                continue
+            loop = {**group, "params": wrong, "fused": False, "foreach": False}
+            moved = {id(p) for p in wrong}
+            self.moved.append((group, group["params"], loop))
+            group["params"] = [p for p in group["params"] if id(p) not in moved]
+            optimizer.param_groups.append(loop)
+
+    def restore(self, optimizer: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
+        """Put the moved parameters back in their groups, in their order, and drop the loop groups."""
+        for group, params, loop in reversed(self.moved):
+            group["params"] = params
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g is not loop]
+        self.moved = []
+
+
+def _layouts_match(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """True unless ``param`` is on the host with a gradient, and it is not dense, or its gradient or state
+    tensors have other strides (compared on the dims longer than 1)."""
+    grad = param.grad
+    if grad is None or not _on_host(param):
+        return True
+    local = _local(param)
+    state = optimizer.state.get(param, {})
+    others = [_local(grad), *(_local(state[key]) for key in STATE_KEYS if key in state)]
+    if local.is_contiguous() and all(other.stride() == local.stride() for other in others):
+        return True  # the common case, without the slower check below
+    dense = _dense_strides(local)
+    return dense is not None and all(_dense_strides(other) == dense for other in others)

@@ -1,0 +1,277 @@
+"""fast_host_step (issue 33): CPU-offloaded shards stepped by torch's fused CPU AdamW. On 4 gloo ranks (one spawn):
+parity with the for-loop AdamW and with DDP, the state kept across the switch, shards the fused kernel would get
+wrong (uneven ``Shard(1)``). In one process: the param groups after the switch, the split, the layout guard, the
+refusals and warnings.
+
+Tolerance (``TOL``): the fused kernel and the for-loop compute the same update in a different order and round
+differently: in fp32 a parameter of magnitude <= 1 differs by about one ulp (6e-8) per step, measured at most
+6.7e-8 after 5 steps here (torch 2.11 and 2.13), against DDP too. ``atol=1e-6`` is 15x that and 1e-4 of one AdamW
+update at lr 1e-2, so a skipped, repeated or mis-corrected step fails.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from _dist import spawn_checks
+from _models import UnevenMLP, mlp_batch, mlp_loss
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp2lite as fl
+from fsdp2lite.offload.host_step import fast_host_step
+
+TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}  # fused vs for-loop rounding: see the module docstring
+LR = 1e-2
+OFFLOAD = fl.CPUOffloadPolicy(pin_memory=False)
+
+
+class OpCounter(TorchDispatchMode):
+    """aten ops dispatched, by name (a DTensor op counts once, at the DTensor level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def offloaded_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    model = UnevenMLP(n_blocks=2)
+    for block in model.blocks:
+        fl.fully_shard(block, offload_policy=OFFLOAD)
+    fl.fully_shard(model, offload_policy=OFFLOAD)
+    return model
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def assert_params_close(model: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(full(param), full(ref_param), **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int) -> torch.Tensor:
+    loss = mlp_loss(model, mlp_batch(step, rank))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def check_parity_with_loop_and_ddp(rank: int, ws: int) -> None:
+    """5 steps: losses and parameters of fast_host_step(AdamW) close to the for-loop AdamW's and DDP's, every step;
+    one param group, fused; the fused kernel dispatched once per step, the for-loop's never."""
+    fast, loop = offloaded_mlp(), offloaded_mlp()
+    torch.manual_seed(0)
+    ddp = DDP(UnevenMLP(n_blocks=2))
+    start = [full(p).clone() for p in fast.parameters()]
+    fast_opt = torch.optim.AdamW(fast.parameters(), lr=LR, weight_decay=0.1)
+    assert fast_host_step(fast_opt) is fast_opt
+    (group,) = fast_opt.param_groups
+    assert group["fused"] is True and group["foreach"] is False and group["lr"] == LR and group["weight_decay"] == 0.1
+    assert all(p.device.type == "cpu" and isinstance(p, DTensor) for p in group["params"])
+    loop_opt = torch.optim.AdamW(loop.parameters(), lr=LR, weight_decay=0.1)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(5):
+        with OpCounter() as fast_ops:
+            fast_loss = train_step(fast, fast_opt, step, rank)
+        with OpCounter() as loop_ops:
+            loop_loss = train_step(loop, loop_opt, step, rank)
+        ddp_loss = train_step(ddp, ddp_opt, step, rank)
+        assert fast_ops.calls["aten::_fused_adamw_"] == 1 and loop_ops.calls["aten::_fused_adamw_"] == 0
+        torch.testing.assert_close(fast_loss, loop_loss, **TOL)
+        torch.testing.assert_close(fast_loss, ddp_loss, **TOL)
+        assert_params_close(fast, loop, f"step {step} vs for-loop")
+        assert_params_close(fast, ddp.module, f"step {step} vs DDP")
+    moved = max((full(p) - s).abs().max().item() for p, s in zip(fast.parameters(), start))
+    assert moved > 100 * TOL["atol"], moved  # the tolerance is far below what the steps moved
+
+
+def check_state_kept_across_the_switch(rank: int, ws: int) -> None:
+    """fast_host_step after 2 for-loop steps: the same state tensors go on; 5 steps close to 5 for-loop steps."""
+    switched, loop = offloaded_mlp(), offloaded_mlp()
+    opt = torch.optim.Adam(switched.parameters(), lr=LR, amsgrad=True)
+    loop_opt = torch.optim.Adam(loop.parameters(), lr=LR, amsgrad=True)
+    for step in range(2):
+        train_step(switched, opt, step, rank)
+        train_step(loop, loop_opt, step, rank)
+    before = {id(p): dict(opt.state[p]) for p in switched.parameters()}
+    fast_host_step(opt)
+    for step in range(2, 5):
+        train_step(switched, opt, step, rank)
+        train_step(loop, loop_opt, step, rank)
+    for param in switched.parameters():
+        state = opt.state[param]
+        assert all(state[key] is before[id(param)][key] for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        assert state["step"].item() == 5
+    assert_params_close(switched, loop, "switched after 2 steps")
+
+
+def check_uneven_shard_1(rank: int, ws: int) -> None:
+    """Shard(1) of 7 columns on 4 ranks: chunks 2, 2, 2, 1, so rank 3's weight shard is a (16, 1) view of its
+    (16, 2) padded shard, strides (2, 1): not dense. It is stepped on the for-loop there (with a warning on that
+    rank only), close to the for-loop everywhere; the groups are as before after every step."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 3))
+        fl.fully_shard(model, offload_policy=OFFLOAD, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        return model
+
+    fast, loop = build(), build()
+    fast_opt, loop_opt = torch.optim.AdamW(fast.parameters(), lr=0.1), torch.optim.AdamW(loop.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast_host_step(fast_opt)
+    messages = [str(w.message) for w in caught]
+    if rank == 3:
+        (message,) = messages
+        assert "param_groups[0][0] DTensor (16, 7) float32 (its local shard is not dense" in message, message
+    else:
+        assert messages == [], messages
+    params = list(fast_opt.param_groups[0]["params"])
+    for step in range(3):
+        batch = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model, opt in ((fast, fast_opt), (loop, loop_opt)):
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        # one group on every rank, as before the step: a checkpoint sees the same structure everywhere
+        assert len(fast_opt.param_groups) == 1 and fast_opt.param_groups[0]["params"] == params
+        assert_params_close(fast, loop, f"Shard(1) step {step}")
+
+
+def test_fast_host_step_on_4_offloaded_ranks() -> None:
+    spawn_checks(4, check_parity_with_loop_and_ddp, check_state_kept_across_the_switch, check_uneven_shard_1)
+
+
+# ---- one process -------------------------------------------------------------------------------------------------
+
+
+def host_param(*shape: int, seed: int = 0) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_groups_after_the_switch_keep_their_settings() -> None:
+    a, b = host_param(4, 3), host_param(5, seed=1)
+    opt = torch.optim.Adam([{"params": [a], "lr": 0.5}, {"params": [b], "weight_decay": 0.1}], lr=0.1, foreach=True)
+    before = [{k: v for k, v in group.items() if k not in ("fused", "foreach")} for group in opt.param_groups]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        assert fast_host_step(opt) is opt
+        fast_host_step(opt)  # again: nothing changes, one guard
+    assert [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.param_groups] == before
+    assert all(group["fused"] is True and group["foreach"] is False for group in opt.param_groups)
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    assert not getattr(opt, "_step_supports_amp_scaling", False)  # GradScaler keeps unscaling the gradients
+
+
+def test_a_group_mixing_host_and_other_parameters_is_split() -> None:
+    """Host floating-point parameters stay in the group, fused; device (meta here) and complex ones move to a new
+    group at the end with the same hyperparameters and the old fused/foreach; the state goes on."""
+    a, c = host_param(4, 3), host_param(3, seed=2)
+    device = nn.Parameter(torch.empty(6, device="meta"))
+    complex_param = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+    opt = torch.optim.AdamW([a, device, c, complex_param], lr=0.3, betas=(0.8, 0.9), weight_decay=0.2, foreach=False)
+    a.grad, c.grad = torch.ones_like(a), torch.ones_like(c)
+    opt.step()
+    state = dict(opt.state[a])
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\[3\] tensor \(2,\) complex64 \(dtype torch.complex64"):
+        fast_host_step(opt)
+    host, rest = opt.param_groups
+    assert host["params"] == [a, c] and rest["params"] == [device, complex_param]
+    assert host["fused"] is True and host["foreach"] is False
+    assert rest["fused"] is None and rest["foreach"] is False
+    for key in ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize"):
+        assert host[key] == rest[key], key
+    assert opt.state[a]["exp_avg"] is state["exp_avg"]
+    opt.step()
+    assert opt.state[a]["step"].item() == 2
+
+
+def test_layout_guard_steps_what_the_kernel_would_get_wrong_on_the_loop() -> None:
+    """A non-dense parameter (a (5, 3) view of a (5, 4) buffer) and a contiguous one with a transposed gradient
+    step exactly as the for-loop steps them; the groups are as before after each step, and after a step that
+    raised the next one puts them back first."""
+
+    def build() -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+        buffer = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+        params = [nn.Parameter(buffer[:, :3]), host_param(4, 3, seed=1), host_param(6, seed=2)]
+        return params, torch.optim.AdamW(params, lr=0.1)
+
+    (view, square, plain), fast_opt = build()
+    loop_params, loop_opt = build()
+    assert not view.is_contiguous()
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\[0\] tensor \(5, 3\) float32 \(its local shard is not"):
+        fast_host_step(fast_opt)
+    for step in range(3):
+        grads = [torch.randn(5, 3), torch.randn(3, 4).t(), torch.randn(6)]  # the second: strides (1, 4)
+        for params, opt in (((view, square, plain), fast_opt), (loop_params, loop_opt)):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone() if grad.is_contiguous() else grad.t().clone().t()
+            opt.step()
+        assert len(fast_opt.param_groups) == 1 and fast_opt.param_groups[0]["params"] == [view, square, plain]
+        assert torch.equal(view, loop_params[0]) and torch.equal(square, loop_params[1]), step  # both on the loop
+        torch.testing.assert_close(plain, loop_params[2], **TOL)
+
+    def failing_closure() -> torch.Tensor:
+        raise RuntimeError("closure failed")
+
+    with pytest.raises(RuntimeError, match="closure failed"):
+        fast_opt.step(failing_closure)
+    assert len(fast_opt.param_groups) == 2  # the failed step's loop group is still there ...
+    fast_opt.step()  # ... until the next step puts its parameters back first
+    assert len(fast_opt.param_groups) == 1 and fast_opt.param_groups[0]["params"] == [view, square, plain]
+
+
+def test_what_it_cannot_speed_up_is_left_as_it_is_with_a_warning() -> None:
+    p = host_param(3)
+    sgd = torch.optim.SGD([p], lr=0.1)
+    with pytest.warns(UserWarning, match=r"torch.optim.sgd.SGD keeps torch's default step for every group \(only"):
+        assert fast_host_step(sgd) is sgd
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    with pytest.warns(UserWarning, match="MyAdamW keeps torch's default step"):
+        fast_host_step(MyAdamW([p]))
+    opt = torch.optim.Adam([{"params": [p], "differentiable": True}, {"params": [host_param(2)]}])
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] \(differentiable=True: the fused kernel has no autograd"):
+        fast_host_step(opt)
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[1]["fused"] is True
+    on_meta = torch.optim.AdamW([nn.Parameter(torch.empty(3, device="meta"))])
+    with pytest.warns(UserWarning, match="no parameter is on the host"):
+        fast_host_step(on_meta)
+    assert on_meta.param_groups[0]["fused"] is None
+
+
+def test_a_split_after_an_lr_scheduler_is_refused_by_warning() -> None:
+    """A scheduler holds one lr per group: a mixed group stays whole (warning saying what to do); a host-only group
+    needs no split and is switched."""
+    mixed = [host_param(3), nn.Parameter(torch.empty(2, device="meta"))]
+    opt = torch.optim.AdamW([{"params": mixed}, {"params": [host_param(4, seed=1)]}], lr=0.1)
+    torch.optim.lr_scheduler.LinearLR(opt, total_iters=3)
+    with pytest.warns(UserWarning, match="call fast_host_step before making it"):
+        fast_host_step(opt)
+    assert len(opt.param_groups) == 2 and opt.param_groups[0]["params"] == mixed
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[1]["fused"] is True
+
+
+def test_refuses_what_is_not_an_optimizer() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"takes a torch.optim.Optimizer \(Adam or AdamW\), got Linear"):
+        fast_host_step(model)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got list"):
+        fast_host_step(list(model.parameters()))  # type: ignore[arg-type]
