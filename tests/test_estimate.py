@@ -228,7 +228,11 @@ def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.
     tried = record["budget"]["tried"]
     assert all(row["comm_bytes"] >= choice["comm_bytes"] for row in tried if row["fits"])
     assert {row["reshard_after_forward"] for row in tried} == {False, True, 2}  # k = 2 for 8 ranks
-    assert {row["offload"] for row in tried} == {False, True}
+    assert {row["offload"] for row in tried} == {False, "optimizer", True}  # none, ZeRO-Offload, full
+    same = [r for r in tried if r["mixed_precision"] == "fp32" and r["reshard_after_forward"] is True]
+    rows = {r["offload"]: r for r in same if r["forward_prefetch_depth"] == 1 and not r["activation_checkpointing"]}
+    assert rows[True]["peak_bytes"] < rows["optimizer"]["peak_bytes"] < rows[False]["peak_bytes"]
+    assert rows["optimizer"]["host_bytes"] == rows[True]["host_bytes"] > 0 == rows[False]["host_bytes"]
     assert {row["activation_checkpointing"] for row in tried} == {False, True}
     by_reshard = {row["reshard_after_forward"]: row["comm_bytes"] for row in tried if row["mixed_precision"] == "fp32"}
     assert by_reshard[False] < by_reshard[2] < by_reshard[True]  # backward all-gather over 0, 2 or 8 ranks

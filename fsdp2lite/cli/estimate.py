@@ -285,7 +285,8 @@ def _run_search(
 
 def recommendation(choice: dict[str, Any], hardware: str, world: int) -> str:
     what = choice["finetune"] + (", activation checkpointing" if choice["activation_checkpointing"] else "")
-    what += ", CPU offload" if choice["offload"] else ", no offload"
+    offload = {False: ", no offload", "optimizer": ", ZeRO-Offload (optimizer on the host)", True: ", CPU offload"}
+    what += offload[choice["offload"]]
     host = choice["host_bytes_per_machine"]
     return (
         f"[bold]recommended: {what}[/bold]\n  device peak {human_bytes(choice['peak_bytes'])} allocated, "

@@ -8,9 +8,9 @@ machine) within ``--host-ram``. The choice is the fitting setting with the most 
 go to the smaller peak.
 
 Without ``--finetune`` the search covers what to train: full, lora and qlora, each with and without
-activation checkpointing and CPU offload (bf16 compute). With ``--finetune`` given, it covers how to
-shard that job: mixed precision (full only), reshard after forward, forward prefetch depth, activation
-checkpointing and CPU offload.
+activation checkpointing and offload (none, ``optimizer_only``: ZeRO-Offload, or full) (bf16 compute). With
+``--finetune`` given, it covers how to shard that job: mixed precision (full only), reshard after forward,
+forward prefetch depth, activation checkpointing and the three offloads.
 """
 
 from __future__ import annotations
@@ -31,17 +31,18 @@ from ..estimate.timing import Gpu, Link, plan_step_time
 from ._args import UsageError
 from .explain import human_bytes
 
+OFFLOADS = (False, "optimizer", True)  # none, ZeRO-Offload (optimizer_only: masters and state on the host), full
 SEARCH: dict[str, tuple[Any, ...]] = {
     "mixed_precision": ("fp32", "bf16"),
     "reshard_after_forward": (False, True),
     "forward_prefetch_depth": (1, 0),
     "activation_checkpointing": (False, True),
-    "offload": (False, True),
+    "offload": OFFLOADS,
 }
 FINETUNE_SEARCH: dict[str, tuple[Any, ...]] = {
     "finetune": ("full", "lora", "qlora"),
     "activation_checkpointing": (False, True),
-    "offload": (False, True),
+    "offload": OFFLOADS,
 }
 FIXED = {"mixed_precision": "bf16", "reshard_after_forward": True, "forward_prefetch_depth": 1}
 SHOWN = ("finetune", *SEARCH)
@@ -89,6 +90,8 @@ def search_budget(
     tried = []
     for values in itertools.product(*space.values()):
         settings = {**FIXED, **dict(zip(space, values))}
+        if settings["finetune"] == "qlora" and settings["offload"] == "optimizer":
+            continue  # NF4 weights gather through hooks, which optimizer_only refuses
         tried.append(evaluate(job, config_for_setting(base, settings), settings, budget, caches))
     fitting = [row for row in tried if row["fits"]]
     choice = min(fitting, key=_order) if fitting else None
@@ -150,7 +153,8 @@ def config_for_setting(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig
         rule.pop("reshard_after_forward", None)
         rule.pop("offload", None)
         rule["activation_checkpointing"] = settings["activation_checkpointing"]
-    data["offload"] = {"device": "cpu" if settings["offload"] else "none", "pin_memory": True}
+    kind = settings["offload"]
+    data["offload"] = {"device": "cpu" if kind else "none", "pin_memory": True, "optimizer_only": kind == "optimizer"}
     data["reshard_after_forward"] = settings["reshard_after_forward"]
     data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]
     return FSDPConfig.model_validate(data)
@@ -190,10 +194,10 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
 
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
-    """Fastest first (to 0.1%: the model is not finer); among equals, no CPU offload (host copies each step,
-    host memory), then the smaller reserved peak."""
-    return (-round(row["tokens_per_s"], -max(0, len(str(int(row["tokens_per_s"]))) - 3)), row["offload"],
-            row["reserved_bytes"])  # fmt: skip
+    """Fastest first (to 0.1%: the model is not finer); among equals, the least offload (none, then
+    optimizer_only, then full: host copies each step, host memory), then the smaller reserved peak."""
+    return (-round(row["tokens_per_s"], -max(0, len(str(int(row["tokens_per_s"]))) - 3)),
+            OFFLOADS.index(row["offload"]), row["reserved_bytes"])  # fmt: skip
 
 
 def nearest_rows(tried: list[dict[str, Any]], choice: dict[str, Any] | None, few: int = 5) -> list[dict[str, Any]]:

@@ -239,8 +239,8 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
         backward += gather if regather else 0
         reduced += scatter
         collectives += 1 + int(regather) + int(scatter > 0)
-        if policy.offload.device == "cpu":
-            host += stored * (1 + int(regather)) + scatter // shard  # the stored shard in at each gather; grads out
+        if policy.offload.device == "cpu":  # grads out; the stored shard in at each gather (optimizer_only: once)
+            host += stored * (1 if policy.offload.optimizer_only else 1 + int(regather)) + scatter // shard
     return CommBytes(shard, forward, backward, reduced, collectives, host)
 
 
