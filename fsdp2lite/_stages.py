@@ -89,16 +89,18 @@ def _local(param: nn.Parameter) -> Any:
     return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
 
 
-def param_class(sharding: ShardingPolicy | None, policy: ParamPolicy) -> type[FSDPParam]:
-    """The parameter class a group under ``sharding`` and ``policy`` is made of."""
+def param_class(sharding: ShardingPolicy | None, policy: ParamPolicy, param: nn.Parameter) -> type[FSDPParam]:
+    """The class of ``param`` in a group under ``sharding`` and ``policy``: host masters for the trainable
+    parameters only (a frozen one has no gradient or optimizer state: its shard stays where it is, with no
+    host copy; freeze before ``fully_shard``)."""
     if policy.host_masters:
-        return HostMasterParam
+        return HostMasterParam if param.requires_grad else FSDPParam
     return ReplicaShardedParam if sharding is not None and sharding.replica_sharded else FSDPParam
 
 
 def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
     """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
-    if group.params[0].policy.host_masters:
+    if any(isinstance(param, HostMasterParam) for param in group.params):
         make_host_masters(group)
     if sharding is None:
         return

@@ -189,10 +189,11 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 def _make_params(
     owned: Any, dims: list[int], info: MeshInfo, policy: ParamPolicy, mp_policy: Any, sharding: ShardingPolicy | None
 ) -> tuple[FSDPParam, ...]:
-    """The group's parameters, of the class ``sharding`` asks for (HFSDP's keep a piece: ``_stages``)."""
-    kind = param_class(sharding, policy)
+    """The group's parameters, each of the class ``sharding`` and ``policy`` ask for (``_stages``)."""
     return tuple(
-        kind(param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy)
+        param_class(sharding, policy, param)(
+            param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy
+        )
         for (fqn, param, places), dim in zip(owned, dims)
     )
 

@@ -73,6 +73,35 @@ def scenario_bitwise_full_offload(rank: int, ws: int) -> None:
             assert torch.equal(full(a), full(b)), extra
 
 
+def scenario_frozen_base_has_no_master(rank: int, ws: int) -> None:
+    """A block frozen before fully_shard (LoRA's base) keeps its shards on the device with no host copy; the
+    rest steps bit for bit as under full offload."""
+    from fsdp2lite._runtime.host_masters import HostMasterParam
+
+    torch.manual_seed(0)
+    whole, masters = UnevenMLP(), UnevenMLP()
+    masters.load_state_dict(whole.state_dict())
+    for model in (whole, masters):
+        model.blocks[0].requires_grad_(False)
+    shard(FULL)(whole)
+    shard(OPTIMIZER_ONLY)(masters)
+    root, frozen, trained = _groups(masters)  # modules() order: the root, blocks.0, blocks.1
+    assert frozen.refreshers == () and not any(isinstance(p, HostMasterParam) for p in frozen.params)
+    assert all(isinstance(p, HostMasterParam) for group in (root, trained) for p in group.params)
+    assert len(root.refreshers) == len(trained.refreshers) == 1
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (whole, masters)]
+    for step in range(3):
+        losses = []
+        for model, opt in zip((whole, masters), opts):
+            losses.append(mlp_loss(model, mlp_batch(step, rank)))
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(losses[0], losses[1]), step
+    for a, b in zip(whole.parameters(), masters.parameters()):
+        assert torch.equal(full(a), full(b))
+
+
 def scenario_one_copy_per_step(rank: int, ws: int) -> None:
     """The registered shard is the master (its own storage, beside the shard the all-gather reads); each
     group's masters are copied once per step, after the step, and not for a forward without one."""
@@ -176,6 +205,7 @@ def test_host_masters_on_four_ranks() -> None:
         4,
         scenario_parity_with_ddp,
         scenario_bitwise_full_offload,
+        scenario_frozen_base_has_no_master,
         scenario_one_copy_per_step,
         scenario_never_stale,
         scenario_checkpoint_and_policy_file,

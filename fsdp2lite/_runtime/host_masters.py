@@ -11,6 +11,8 @@ optimizer, ``clip_grad_norm_``, ``state_dict`` and checkpoints see. So:
 - the user's optimizer steps the masters on the host (its state is created there);
 - the first unshard after the masters changed copies them to the device shards, one host-to-device copy
   per parameter per step, where full offload copies every shard twice a step.
+Only trainable parameters get a master: a parameter frozen before ``fully_shard`` keeps its shard on the
+device with no host copy (LoRA's frozen base costs no host memory).
 The masters changed when their version counters (the DTensor's and its local tensor's) moved since the last
 copy: ``optimizer.step()``, ``copy_``, ``load_state_dict`` and DCP loads all move them; writes through
 ``.data`` are not seen: ``model.reshard()`` marks every master stale, so the next forward copies anew.
@@ -95,8 +97,9 @@ class HostSync:
 
     def __init__(self, group: FSDPParamGroup) -> None:
         self.group = group
+        self.params = [p for p in group.params if isinstance(p, HostMasterParam)]  # frozen ones have none
         self.stale = False  # every device shard must be copied from its master
-        self.versions = {id(p): piece_versions(p) for p in group.params}  # as at the last copy
+        self.versions = {id(p): piece_versions(p) for p in self.params}  # as at the last copy
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
 
@@ -105,7 +108,7 @@ class HostSync:
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""
-        due = [p for p in self.group.params if self.stale or self.versions[id(p)] != piece_versions(p)]
+        due = [p for p in self.params if self.stale or self.versions[id(p)] != piece_versions(p)]
         for param in due:
             param.padded_shard.copy_(param.host_padded, non_blocking=param.host_padded.is_pinned())
             self.copied_bytes += param.host_padded.nbytes
@@ -113,7 +116,7 @@ class HostSync:
             self.copies += 1
             self.group.trace("host_to_device_masters")
         self.stale = False
-        for param in self.group.params:
+        for param in self.params:
             self.versions[id(param)] = piece_versions(param)
 
 

@@ -258,7 +258,8 @@ def group_bytes(plan: Plan, shard: int, nf4: set[str] = frozenset()) -> list[Gro
                 stored, gathered = sharded_nbytes(p, shard, dim), compute
             sharded += stored
             unsharded += gathered
-            pinned += pin(stored)
+            if p.requires_grad or not group.policy.offload.optimizer_only:  # optimizer_only: masters of trainables
+                pinned += pin(stored)
             if p.requires_grad:
                 trainable += stored
                 grad_shards += stored
