@@ -14,14 +14,19 @@ AdamW's state live on the host in every run:
                                 per-parameter for-loop for CPU tensors (foreach is for CUDA). The rival.
     fsdp2lite + AdamW           fsdp2lite with the rival's step: the runtime's share apart from the step's
     torch + fast_host_step      the rival's runtime with the fused step: the step's share apart from the runtime's
+    fsdp2lite + step_in_backward  ``step_in_backward(model, lambda ps: fast_host_step(AdamW(ps)))``: each group
+                                stepped inside backward as its reduced gradients land, its gradients freed at once
 Per run and step, after warm-up, step i of every run in turn, a barrier before each, each time the slowest rank's:
 the whole step (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) and the host step
 (``optimizer.step()`` alone). Reported: medians, and medians of per-step ratios against torch (adjacent steps cancel
 the machine's drift); the aten ops one ``optimizer.step()`` dispatches on rank 0 (counted, not timed: the for-loop's
-per-parameter ops against the fused kernel's one); every step's loss (mean over ranks) and its largest difference
+per-parameter ops against the fused kernel's one); the bytes of gradient shards alive after backward (the largest
+rank's: step_in_backward has stepped and freed them all); every step's loss (mean over ranks) and its largest difference
 from torch's (the fused and the for-loop step round differently: below 1e-6 on a loss near 9 at the start).
 
 Why: issue 33's target, the host step at most 0.5x torch's, and what it does to the whole step, in one run.
+step_in_backward has no host step of its own to time (its steps are inside backward): its step time says what it
+costs, its gradient bytes what it saves.
 
 How to run (about 40 s on a 2-core machine with the defaults):
     .venv/bin/python benchmarks/bench_offload.py [--steps 10] [--warmup 2] [--world-size 2] [--layers 4]
@@ -54,16 +59,18 @@ from rich.table import Table
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 import fsdp2lite as fl
 from fsdp2lite._spawn import exit_rank_process
 from fsdp2lite.models import GPT, GPTConfig
-from fsdp2lite.offload.host_step import fast_host_step
+from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 
 DEVICE = "cpu"
 LR = 1e-4
 TARGET = 0.5  # issue 33: host step fsdp2lite + fast_host_step / torch
 RIVAL = "torch"
+MIB = 2**20
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens (batch, seq), targets (batch, seq))
 
 
@@ -73,26 +80,28 @@ class Setup:
 
     name: str  # row label and JSON key
     library: str  # "fsdp2lite" or "torch"
-    fast: bool  # fast_host_step on the AdamW
+    step: str  # "loop": AdamW as torch picks it; "fused": fast_host_step(AdamW); "in_backward": step_in_backward
 
 
 SETUPS = (
-    Setup("fsdp2lite + fast_host_step", "fsdp2lite", True),
-    Setup(RIVAL, "torch", False),
-    Setup("fsdp2lite + AdamW", "fsdp2lite", False),
-    Setup("torch + fast_host_step", "torch", True),
+    Setup("fsdp2lite + fast_host_step", "fsdp2lite", "fused"),
+    Setup(RIVAL, "torch", "loop"),
+    Setup("fsdp2lite + AdamW", "fsdp2lite", "loop"),
+    Setup("torch + fast_host_step", "torch", "fused"),
+    Setup("fsdp2lite + step_in_backward", "fsdp2lite", "in_backward"),
 )
 MAIN = SETUPS[0].name  # the row the target is about
 
 
 class Run(NamedTuple):
     model: GPT  # sharded as its setup says
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # one; step_in_backward: one per group, stepped inside backward
+    step_after_backward: bool  # False: step_in_backward's hooks step
     losses: list[float]  # every step's, on this rank
 
 
 def build(setup: Setup, config: GPTConfig, mesh: DeviceMesh) -> Run:
-    """The GPT (seed 0), every block then the root sharded with CPU offload; AdamW, fused when ``setup.fast``."""
+    """The GPT (seed 0), every block then the root sharded with CPU offload; AdamW as ``setup.step`` says."""
     torch.manual_seed(0)
     model = GPT(config)
     for module in [*model.blocks, model]:
@@ -100,8 +109,11 @@ def build(setup: Setup, config: GPTConfig, mesh: DeviceMesh) -> Run:
             fl.fully_shard(module, mesh, offload_policy=fl.CPUOffloadPolicy(pin_memory=False))
         else:
             torch_fully_shard(module, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
+    if setup.step == "in_backward":
+        handle = step_in_backward(model, lambda params: fast_host_step(torch.optim.AdamW(params, lr=LR)))
+        return Run(model, handle.optimizers, False, [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    return Run(model, fast_host_step(optimizer) if setup.fast else optimizer, [])
+    return Run(model, [fast_host_step(optimizer) if setup.step == "fused" else optimizer], True, [])
 
 
 def make_batch(config: GPTConfig, batch: int, rank: int) -> Batch:
@@ -113,17 +125,21 @@ def make_batch(config: GPTConfig, batch: int, rank: int) -> Batch:
 
 
 def train_step(run: Run, batch: Batch) -> tuple[float, float]:
-    """One step; (whole step, ``optimizer.step()``) in seconds. The loss is kept."""
+    """One step; (whole step, ``optimizer.step()``) in seconds, the second NaN when backward stepped. The loss is
+    kept."""
     start = time.perf_counter()
     loss = run.model.loss(*batch)
     loss.backward()
     step_start = time.perf_counter()
-    run.optimizer.step()
+    if run.step_after_backward:
+        (optimizer,) = run.optimizers
+        optimizer.step()
     step_end = time.perf_counter()
-    run.optimizer.zero_grad()
+    for optimizer in run.optimizers:
+        optimizer.zero_grad()
     end = time.perf_counter()
     run.losses.append(loss.item())
-    return end - start, step_end - step_start
+    return end - start, step_end - step_start if run.step_after_backward else float("nan")
 
 
 def time_interleaved(runs: list[Run], batch: Batch, warmup: int, steps: int) -> torch.Tensor:
@@ -138,26 +154,34 @@ def time_interleaved(runs: list[Run], batch: Batch, warmup: int, steps: int) -> 
     return times
 
 
-def count_step_ops(run: Run, batch: Batch) -> dict[str, int]:
-    """aten ops one ``optimizer.step()`` dispatches (a DTensor op counts once), by name; one extra step."""
+def extra_step(run: Run, batch: Batch) -> tuple[dict[str, int] | None, int]:
+    """One more step, metered: (aten ops its ``optimizer.step()`` dispatches, by name, a DTensor op counted once;
+    None when backward steps, its ops being among backward's) and the bytes of gradients alive after backward
+    (local shards: what the host holds between backward and the step)."""
     loss = run.model.loss(*batch)
     loss.backward()
-    ops = count_ops(run.optimizer.step)
-    run.optimizer.zero_grad()
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    grad_bytes = sum(g.to_local().nbytes if isinstance(g, DTensor) else g.nbytes for g in grads)
+    ops = dict(count_ops(run.optimizers[0].step)) if run.step_after_backward else None
+    for optimizer in run.optimizers:
+        optimizer.zero_grad()
     run.losses.append(loss.item())
-    return dict(ops)
+    return ops, grad_bytes
 
 
 def measure_rank(
     rank: int, world_size: int, config: GPTConfig, batch_size: int, warmup: int, steps: int
 ) -> dict[str, Any]:
-    """Every run built, timed interleaved, its step's ops counted; times max and losses mean over the ranks."""
+    """Every run built, timed interleaved, then one metered step each; times and bytes max, losses mean over the
+    ranks."""
     mesh = init_device_mesh(DEVICE, (world_size,), mesh_dim_names=("shard",))
     batch = make_batch(config, batch_size, rank)
     runs = [build(setup, config, mesh) for setup in SETUPS]
     times = time_interleaved(runs, batch, warmup, steps)
-    ops = [count_step_ops(run, batch) for run in runs]
+    ops, grad_bytes = zip(*(extra_step(run, batch) for run in runs), strict=True)
+    largest_grads = torch.tensor(grad_bytes, dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    dist.all_reduce(largest_grads, op=dist.ReduceOp.MAX)  # the largest rank's
     losses = torch.tensor([run.losses for run in runs], dtype=torch.float64)  # (run, step)
     dist.all_reduce(losses)
     return {
@@ -166,12 +190,17 @@ def measure_rank(
         "host_step_s": {s.name: times[i, :, 1].tolist() for i, s in enumerate(SETUPS)},
         "losses": {s.name: (losses[i] / world_size).tolist() for i, s in enumerate(SETUPS)},
         "rank0_step_ops": {s.name: ops[i] for i, s in enumerate(SETUPS)},
-        "param_groups": {s.name: _group_flags(run.optimizer) for s, run in zip(SETUPS, runs)},
+        "grad_bytes_after_backward": {s.name: largest_grads[i].item() for i, s in enumerate(SETUPS)},
+        "param_groups": {s.name: _group_flags(run.optimizers) for s, run in zip(SETUPS, runs)},
     }
 
 
-def _group_flags(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{"params": len(g["params"]), "fused": g["fused"], "foreach": g["foreach"]} for g in optimizer.param_groups]
+def _group_flags(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    return [
+        {"params": len(g["params"]), "fused": g["fused"], "foreach": g["foreach"]}
+        for optimizer in optimizers
+        for g in optimizer.param_groups
+    ]
 
 
 def _rank_entry(
@@ -195,18 +224,23 @@ def run_ranks(world_size: int, config: GPTConfig, batch: int, warmup: int, steps
 
 
 def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
-    """One run's numbers (ms) and its ratios against torch (medians of per-step ratios)."""
+    """One run's numbers (ms, MiB) and its time ratios against torch (medians of per-step ratios). Host-step fields
+    are None for step_in_backward (its steps are inside backward)."""
     whole, host = result["step_s"][setup.name], result["host_step_s"][setup.name]
     losses, rival = result["losses"][setup.name], result["losses"][RIVAL]
     ops = result["rank0_step_ops"][setup.name]
+    after = setup.step != "in_backward"
     return {
-        "library": setup.library, "fast_host_step": setup.fast, "param_groups": result["param_groups"][setup.name],
+        "library": setup.library, "step": setup.step, "param_groups": result["param_groups"][setup.name],
         "step_ms_median": 1e3 * statistics.median(whole), "step_ms": [1e3 * t for t in whole],
-        "host_step_ms_median": 1e3 * statistics.median(host), "host_step_ms": [1e3 * t for t in host],
         "step_vs_torch": median_ratio(whole, result["step_s"][RIVAL]),
-        "host_step_vs_torch": median_ratio(host, result["host_step_s"][RIVAL]),
-        "host_share_of_step": statistics.median(h / w for h, w in zip(host, whole, strict=True)),
-        "rank0_ops_per_host_step": sum(ops.values()), "rank0_fused_adamw_calls": ops.get("aten::_fused_adamw_", 0),
+        "host_step_ms_median": 1e3 * statistics.median(host) if after else None,
+        "host_step_ms": [1e3 * t for t in host] if after else None,
+        "host_step_vs_torch": median_ratio(host, result["host_step_s"][RIVAL]) if after else None,
+        "host_share_of_step": statistics.median(h / w for h, w in zip(host, whole, strict=True)) if after else None,
+        "rank0_ops_per_host_step": sum(ops.values()) if ops else None,
+        "rank0_fused_adamw_calls": ops.get("aten::_fused_adamw_", 0) if ops else None,
+        "grads_mib_after_backward": result["grad_bytes_after_backward"][setup.name] / MIB,
         "losses": losses, "max_loss_diff_vs_torch": max(abs(a - b) for a, b in zip(losses, rival, strict=True)),
     }  # fmt: skip
 
@@ -224,16 +258,23 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, config: GPTConfi
 
 
 COLUMNS = (
-    "run", "step ms", "vs torch", "host step ms", "vs torch", "host share", "ops/step", "last loss", "max dloss",
+    "run", "step ms", "vs torch", "host step ms", "vs torch", "host share", "ops/step", "grads MiB", "last loss",
+    "max dloss",
 )  # fmt: skip
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def table_rows(summary: dict[str, Any]) -> list[list[str]]:
     return [
         [
-            name, f"{row['step_ms_median']:.1f}", f"{row['step_vs_torch']:.3f}", f"{row['host_step_ms_median']:.2f}",
-            f"{row['host_step_vs_torch']:.3f}", f"{row['host_share_of_step']:.3f}", str(row["rank0_ops_per_host_step"]),
-            f"{row['losses'][-1]:.6f}", f"{row['max_loss_diff_vs_torch']:.1e}",
+            name, _fmt(row["step_ms_median"], 1), _fmt(row["step_vs_torch"], 3), _fmt(row["host_step_ms_median"], 2),
+            _fmt(row["host_step_vs_torch"], 3), _fmt(row["host_share_of_step"], 3),
+            "-" if row["rank0_ops_per_host_step"] is None else str(row["rank0_ops_per_host_step"]),
+            _fmt(row["grads_mib_after_backward"], 2), f"{row['losses'][-1]:.6f}",
+            f"{row['max_loss_diff_vs_torch']:.1e}",
         ]
         for name, row in summary["runs"].items()
     ]  # fmt: skip
@@ -256,7 +297,9 @@ def notes(summary: dict[str, Any]) -> list[str]:
         "(medians of per-step ratios)",
         f"target {target['what']}: {'PASS' if target['ok'] else 'FAIL'} ({target['value']:.3f})",
         "host share: optimizer.step() / whole step (median); ops/step: aten ops one optimizer.step() dispatches on "
-        "rank 0 (a DTensor op counts once); max dloss: largest |loss - torch's loss| over the steps",
+        "rank 0 (a DTensor op counts once); grads MiB: gradient shards alive after backward, the largest rank's; "
+        "max dloss: largest |loss - torch's loss| over the steps; step_in_backward steps inside backward, so its "
+        "host step is part of its step time",
         f"param groups (params, fused, foreach): {groups}",
         f"load average at start {summary['load_average_at_start']:.2f}",
     ]

@@ -1,7 +1,7 @@
 """fast_host_step (issue 33): CPU-offloaded shards stepped by torch's fused CPU AdamW. On 4 gloo ranks (one spawn):
 parity with the for-loop AdamW and with DDP, the state kept across the switch, shards the fused kernel would get
-wrong (uneven ``Shard(1)``). In one process: the param groups after the switch, the split, the layout guard, the
-refusals and warnings.
+wrong (uneven ``Shard(1)``), step_in_backward bit for bit with a step after backward. In one process: the param
+groups after the switch, the split, the layout guard, the refusals and warnings.
 
 Tolerance (``TOL``): the fused kernel and the for-loop compute the same update in a different order and round
 differently: in fp32 a parameter of magnitude <= 1 differs by about one ulp (6e-8) per step, measured at most
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2lite as fl
-from fsdp2lite.offload.host_step import fast_host_step
+from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 
 TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}  # fused vs for-loop rounding: see the module docstring
 LR = 1e-2
@@ -153,8 +153,63 @@ def check_uneven_shard_1(rank: int, ws: int) -> None:
         assert_params_close(fast, loop, f"Shard(1) step {step}")
 
 
+def check_step_in_backward(rank: int, ws: int) -> None:
+    """Each group stepped inside backward: bit for bit fast_host_step's one step after backward (the fused kernel
+    updates each tensor on its own); no gradient left after backward; remove() stops it. A factory that breaks
+    its contract is refused before any hook is registered."""
+
+    def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return fast_host_step(torch.optim.AdamW(params, lr=LR, weight_decay=0.1))
+
+    in_backward, after = offloaded_mlp(), offloaded_mlp()
+    handle = step_in_backward(in_backward, adamw)
+    assert [len(opt.param_groups[0]["params"]) for opt in handle.optimizers] == [3, 6, 6]  # the root, then 2 blocks
+    after_opt = adamw(list(after.parameters()))
+    for step in range(5):
+        loss = mlp_loss(in_backward, mlp_batch(step, rank))
+        loss.backward()
+        assert all(p.grad is None for p in in_backward.parameters())  # stepped and freed inside backward
+        assert torch.equal(loss.detach(), train_step(after, after_opt, step, rank))
+        for param, ref in zip(in_backward.parameters(), after.parameters(), strict=True):
+            assert torch.equal(full(param), full(ref)), step
+    for model in (in_backward, after):  # accumulation: sync off steps nothing, the synchronising microbatch steps
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        mlp_loss(model, mlp_batch(5, rank)).backward()
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        mlp_loss(model, mlp_batch(6, rank)).backward()
+    after_opt.step()
+    after_opt.zero_grad()
+    for param, ref in zip(in_backward.parameters(), after.parameters(), strict=True):
+        assert torch.equal(full(param), full(ref)) and param.grad is None
+    handle.remove()
+    mlp_loss(in_backward, mlp_batch(7, rank)).backward()
+    assert all(p.grad is not None for p in in_backward.parameters())
+
+    fresh = offloaded_mlp()
+    with pytest.raises(TypeError, match="takes the root fsdp2lite.FSDPModule, got Linear"):
+        step_in_backward(nn.Linear(2, 2), adamw)
+    with pytest.raises(TypeError, match="must return a torch.optim.Optimizer, got list"):
+        step_in_backward(fresh, lambda params: params)  # type: ignore[arg-type,return-value]
+    made: list[torch.optim.Optimizer] = []
+
+    def wrong_on_the_last(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        made.append(adamw(params if len(made) < 2 else params[:1]))
+        return made[-1]
+
+    with pytest.raises(ValueError, match=r"exactly the 6 parameters it is given \(group 2\); it holds 1, 0 of them"):
+        step_in_backward(fresh, wrong_on_the_last)
+    mlp_loss(fresh, mlp_batch(0, rank)).backward()
+    assert len(made) == 3 and all(p.grad is not None for p in fresh.parameters())  # no hook was registered
+
+
 def test_fast_host_step_on_4_offloaded_ranks() -> None:
-    spawn_checks(4, check_parity_with_loop_and_ddp, check_state_kept_across_the_switch, check_uneven_shard_1)
+    spawn_checks(
+        4,
+        check_parity_with_loop_and_ddp,
+        check_state_kept_across_the_switch,
+        check_uneven_shard_1,
+        check_step_in_backward,
+    )
 
 
 # ---- one process -------------------------------------------------------------------------------------------------

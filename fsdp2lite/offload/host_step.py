@@ -7,7 +7,9 @@ and ``optimizer.step()`` runs there. torch's Adam and AdamW pick the per-paramet
 
 ``fast_host_step(optimizer)`` switches an existing Adam/AdamW to that kernel for its host parameters, keeping
 its state; see [Note: fused CPU kernel layouts] for the one thing the kernel gets wrong and how it is kept
-away from it, and docs/offload.md for the decisions and the measured speed.
+away from it, and docs/offload.md for the decisions and the measured speed. ``step_in_backward(model,
+optimizer_factory)`` (opt-in) steps each group's parameters inside backward, as soon as their reduced
+gradients land, and frees those gradients at once.
 
 [Note: fused CPU kernel layouts]
 torch's CPU ``_fused_adam_``/``_fused_adamw_`` checks no strides (torch 2.11 and 2.13; the CUDA kernel
@@ -27,12 +29,17 @@ such a shard) and in every checkpoint; ``fast_host_step`` warns once about the s
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from fsdp2lite.module import FSDPModule
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)  # exact types: AdamW subclasses Adam on recent torch
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's per-parameter tensors, shaped as the param
@@ -228,3 +235,85 @@ def _layouts_match(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> boo
         return True  # the common case, without the slower check below
     dense = _dense_strides(local)
     return dense is not None and all(_dense_strides(other) == dense for other in others)
+
+
+@dataclass
+class StepInBackward:
+    """What ``step_in_backward`` set up: one optimizer per fsdp2lite group, stepped from backward."""
+
+    optimizers: list[torch.optim.Optimizer]  # one per group with trainable parameters, in model.modules() order
+    handles: list[RemovableHandle] = field(default_factory=list)  # the post-accumulate-grad hooks
+
+    def remove(self) -> None:
+        """Unregister the hooks: backward leaves gradients in ``.grad`` again; the optimizers keep their state."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def step_in_backward(
+    model: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> StepInBackward:
+    """Step each fsdp2lite group of ``model`` inside backward, as soon as its reduced gradients are in ``.grad``.
+
+    ``optimizer_factory(params)`` makes one optimizer per group (e.g. ``lambda ps: fast_host_step(
+    torch.optim.AdamW(ps, lr=3e-4))``) over that group's trainable parameters; a hook on each sharded parameter
+    (``register_post_accumulate_grad_hook``, which fsdp2lite calls once the group's reduced gradients are all in
+    ``.grad``) steps the group's optimizer and sets its gradients to None: torch's "optimizer step in backward"
+    recipe, one step per group instead of per parameter. The hooks run in backward's own thread, between one
+    group's reduction and the next group's backward, so what is gained is memory: no group's gradients outlive
+    its step. Do not call ``step()`` yourself; there is no gradient clipping across groups, since no group
+    waits for the others. Microbatches with gradient sync off reduce nothing, so they step nothing; the
+    synchronising one steps. ``model`` must be the root ``fsdp2lite.FSDPModule``, between steps. Every
+    optimizer is made before any hook is registered; ``StepInBackward.remove()`` unregisters the hooks.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"step_in_backward takes the root fsdp2lite.FSDPModule, got {type(model).__name__}")
+    groups = _group_params(model)
+    optimizers = [_make_optimizer(optimizer_factory, params, index) for index, params in enumerate(groups)]
+    handles = [
+        param.register_post_accumulate_grad_hook(partial(_step_group, optimizer))
+        for optimizer, params in zip(optimizers, groups, strict=True)
+        for param in params
+    ]
+    return StepInBackward(optimizers, handles)
+
+
+def _group_params(root: nn.Module) -> list[list[nn.Parameter]]:
+    """Each fsdp2lite module's own trainable parameters (not a nested module's), in ``root.modules()`` order."""
+    seen: set[int] = set()
+    groups = []
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        nested = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}  # fmt: skip
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in nested | seen]
+        seen.update(id(p) for p in params)
+        if params:
+            groups.append(params)
+    return groups
+
+
+def _make_optimizer(
+    factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], params: list[nn.Parameter], index: int
+) -> torch.optim.Optimizer:
+    optimizer = factory(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if held != {id(p) for p in params}:
+        raise ValueError(
+            f"optimizer_factory(params) must make an optimizer over exactly the {len(params)} parameters it is "
+            f"given (group {index}); it holds {len(held)}, {len(held - {id(p) for p in params})} of them others"
+        )
+    return optimizer
+
+
+def _step_group(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: step ``param``'s group over the gradients that have landed, then free them. The
+    group's first hook steps all of it; the others find their gradient gone."""
+    if param.grad is None:
+        return
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
