@@ -268,3 +268,27 @@ def test_estimate_keeps_the_shards_on_the_device() -> None:
         assert dict(masters.breakdown)["params"] == dict(none.breakdown)["params"] > 0, method
         assert dict(whole.breakdown)["params"] == 0 and dict(masters.breakdown)["optimizer"] == 0, method
         assert masters.host_bytes == whole.host_bytes > 0 and none.host_bytes == 0, method
+
+
+def test_pinning_that_fails_falls_back_to_pageable_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where pinning fails (a board's locked-memory limit), offload goes on with pageable memory: the same
+    values, one warning with the bytes and the error ([Note: pinning fails])."""
+    import warnings
+
+    from fsdp2lite._runtime import pinned
+
+    real = torch.zeros
+
+    def failing(*args, pin_memory: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pinned, "_warned", False)
+    monkeypatch.setattr(torch, "zeros", failing)
+    with pytest.warns(RuntimeWarning, match=r"pinning 48 bytes .* failed \(CUDA error: out of memory"):
+        buffer = pinned.host_buffer((3, 4), torch.float32, pin=True, zero=True)
+    assert not buffer.is_pinned() and torch.equal(buffer, real(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: the second failure is quiet
+        assert pinned.host_buffer((2,), torch.bfloat16, pin=True, zero=True).dtype == torch.bfloat16

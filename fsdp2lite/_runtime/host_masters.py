@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .param import FSDPParam, make_dtensor
+from .pinned import host_buffer
 from .replicas import piece_versions
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
@@ -54,8 +55,7 @@ class HostMasterParam(FSDPParam):
         if shard.device.type == "meta":
             return torch.empty_like(shard)
         pin = self.policy.pin_memory and torch.cuda.is_available()
-        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
-        return host.copy_(shard)
+        return host_buffer(shard.shape, shard.dtype, pin).copy_(shard)  # [Note: pinning fails]
 
     def _register_master(self, host: torch.Tensor, requires_grad: bool) -> None:
         self.host_padded = host

@@ -50,6 +50,7 @@ from .extension import (
     has_extension,
 )
 from .grads import GradientState
+from .pinned import host_buffer
 from .states import ShardedState
 
 
@@ -230,7 +231,10 @@ class FSDPParam(GradientState):
         device = local.device
         if self.offload_to_cpu and device.type != "meta":
             device = torch.device("cpu")
-        padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
+        if self._pin(device):  # [Note: pinning fails]
+            padded = host_buffer(self.padded_shape, local.dtype, pin=True, zero=True)
+        else:
+            padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
         if device.type != "meta" and self.local_rows:
             padded.narrow(self.shard_dim, 0, self.local_rows).copy_(local.detach())
         return padded

@@ -44,6 +44,7 @@ from .collectives import _reduce_scatter_flat, reduces_in_place
 from .comm import all_gather_flat
 from .extension import contiguous_stride
 from .param import FSDPParam, make_dtensor
+from .pinned import host_buffer
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -111,7 +112,10 @@ class ReplicaShardedParam(FSDPParam):
         if local is None:
             return False
         device = torch.device("cpu") if self.offload_to_cpu and local.device.type != "meta" else local.device
-        chunk = torch.zeros(self.padded_shape, dtype=local.dtype, device=device, pin_memory=self._pin(device))
+        if self._pin(device):  # [Note: pinning fails]
+            chunk = host_buffer(self.padded_shape, local.dtype, pin=True, zero=True)
+        else:
+            chunk = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
         if device.type != "meta":
             if self.padded_shard.device.type != "meta":
                 chunk.copy_(self.padded_shard)
