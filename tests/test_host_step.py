@@ -1,7 +1,8 @@
 """fast_host_step (issue 33): CPU-offloaded shards stepped by torch's fused CPU AdamW. On 4 gloo ranks (one spawn):
-parity with the for-loop AdamW and with DDP, the state kept across the switch, shards the fused kernel would get
-wrong (uneven ``Shard(1)``), step_in_backward bit for bit with a step after backward. In one process: the param
-groups after the switch, the split, the layout guard, the refusals and warnings.
+parity with the for-loop AdamW and with DDP, the state kept across the switch, ZeRO-1/2 and optimizer_only seeing
+the fused step, shards the fused kernel would get wrong (uneven ``Shard(1)``), step_in_backward bit for bit with a
+step after backward. In one process: the param groups after the switch, the split, the layout guard, the version
+bump, the refusals and warnings.
 
 Tolerance (``TOL``): the fused kernel and the for-loop compute the same update in a different order and round
 differently: in fp32 a parameter of magnitude <= 1 differs by about one ulp (6e-8) per step, measured at most
@@ -44,12 +45,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def offloaded_mlp() -> nn.Module:
+def offloaded_mlp(**kwargs: Any) -> nn.Module:
+    """UnevenMLP (seed 0), each block then the root sharded with ``kwargs`` (default: CPU offload)."""
     torch.manual_seed(0)
     model = UnevenMLP(n_blocks=2)
-    for block in model.blocks:
-        fl.fully_shard(block, offload_policy=OFFLOAD)
-    fl.fully_shard(model, offload_policy=OFFLOAD)
+    for module in [*model.blocks, model]:
+        fl.fully_shard(module, **(kwargs or {"offload_policy": OFFLOAD}))
     return model
 
 
@@ -117,6 +118,22 @@ def check_state_kept_across_the_switch(rank: int, ws: int) -> None:
         assert all(state[key] is before[id(param)][key] for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         assert state["step"].item() == 5
     assert_params_close(switched, loop, "switched after 2 steps")
+
+
+def check_resident_groups_see_the_fused_step(rank: int, ws: int) -> None:
+    """ZeRO-1/2 (resident unsharded parameters) and optimizer_only (device shards refreshed from host masters)
+    notice changed shards by their version counters, which the fused kernel leaves alone: fast_host_step bumps
+    them, so 4 steps stay close to the for-loop's ([Note: fused steps and version counters])."""
+    for label, kwargs in (
+        ("ZeRO-1/2", {"sharding": fl.ShardingPolicy(shard="optimizer"), "offload_policy": OFFLOAD}),
+        ("optimizer_only", {"offload_policy": fl.CPUOffloadPolicy(pin_memory=False, optimizer_only=True)}),
+    ):
+        fast, loop = offloaded_mlp(**kwargs), offloaded_mlp(**kwargs)
+        fast_opt = fast_host_step(torch.optim.AdamW(fast.parameters(), lr=LR))
+        loop_opt = torch.optim.AdamW(loop.parameters(), lr=LR)
+        for step in range(4):
+            torch.testing.assert_close(train_step(fast, fast_opt, step, rank), train_step(loop, loop_opt, step, rank))
+        assert_params_close(fast, loop, label)
 
 
 def check_uneven_shard_1(rank: int, ws: int) -> None:
@@ -207,6 +224,7 @@ def test_fast_host_step_on_4_offloaded_ranks() -> None:
         4,
         check_parity_with_loop_and_ddp,
         check_state_kept_across_the_switch,
+        check_resident_groups_see_the_fused_step,
         check_uneven_shard_1,
         check_step_in_backward,
     )
@@ -231,6 +249,16 @@ def test_groups_after_the_switch_keep_their_settings() -> None:
     assert all(group["fused"] is True and group["foreach"] is False for group in opt.param_groups)
     assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
     assert not getattr(opt, "_step_supports_amp_scaling", False)  # GradScaler keeps unscaling the gradients
+
+
+def test_a_fused_step_bumps_the_versions_of_what_it_stepped() -> None:
+    """As the for-loop's in-place ops do: the runtime learns from them that the shards changed."""
+    stepped, untouched = host_param(4, 3), host_param(2, seed=1)
+    opt = fast_host_step(torch.optim.AdamW([stepped, untouched]))
+    stepped.grad = torch.ones_like(stepped)
+    before = (stepped._version, untouched._version)
+    opt.step()
+    assert stepped._version > before[0] and untouched._version == before[1]
 
 
 def test_a_group_mixing_host_and_other_parameters_is_split() -> None:

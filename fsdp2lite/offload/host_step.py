@@ -16,14 +16,23 @@ torch's CPU ``_fused_adam_``/``_fused_adamw_`` checks no strides (torch 2.11 and
 refuses mismatched ones, pytorch#106951): it is right only when the parameter, its gradient and its state
 are each non-overlapping and dense, with the same strides. Otherwise it is silently wrong: a (5, 3) view of
 a (5, 4) buffer, or a contiguous parameter with a transposed gradient, moves by values off by 0.3-0.6 after
-three steps at lr 0.1. fsdp2lite makes such a
-shard: ``Shard(1)`` with uneven chunks leaves the last rank a ``(rows, k)`` view of its ``(rows, k + pad)``
-padded shard, and ``zeros_like`` gives its Adam state contiguous strides. So before every step a
-``_LayoutGuard`` (a step pre-hook) checks each fused group's host parameters: one that is not dense, or whose
-gradient or state has other strides (a shard as above, a gradient assigned by hand, a state loaded with
-other strides), is stepped on the for-loop for that step, in a group of its own that the post-hook removes
-again. The groups' structure never changes, so it is the same on every rank (only the last rank may hold
-such a shard) and in every checkpoint; ``fast_host_step`` warns once about the shards it finds.
+three steps at lr 0.1. fsdp2lite makes such a shard: ``Shard(1)`` with uneven chunks leaves the last rank a
+``(rows, k)`` view of its ``(rows, k + pad)`` padded shard, and ``zeros_like`` gives its Adam state contiguous
+strides. So before every step ``_FusedStepHooks`` (a step pre-hook) checks each fused group's host parameters:
+one that is not dense, or whose gradient or state has other strides (a shard as above, a gradient assigned by
+hand, a state loaded with other strides), is stepped on the for-loop for that step, in a group of its own that
+the post-hook removes again. The groups' structure never changes, so it is the same on every rank (only the
+last rank may hold such a shard) and in every checkpoint; ``fast_host_step`` warns once about the shards it
+finds.
+
+[Note: fused steps and version counters]
+The fused kernel updates the parameters in place without bumping their version counters (torch 2.11 and 2.13:
+``param._version`` is unchanged by a fused step, two higher after a for-loop step). fsdp2lite's runtime learns
+that the shards changed from those counters: ZeRO-1/2's resident parameters are all-gathered again, HFSDP's
+stepped pieces gathered back, ``optimizer_only``'s device shards refreshed from the host masters, each only
+when a version moved. With a fused step they never do, and the next forward runs on the old weights (0.05 off
+after 4 steps at lr 1e-2 for ZeRO-1/2). So the post-hook bumps the version of every host parameter the fused
+kernel stepped (``torch.autograd.graph.increment_version``), as the for-loop's in-place ops would have.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ def fast_host_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     parameters stay in the group, now fused; the others move to a new group appended at the end, with the
     same hyperparameters and the group's old ``fused``/``foreach``. Existing group indices keep their meaning.
     A host shard the kernel would update wrongly is stepped on the for-loop instead, step by step
-    ([Note: fused CPU kernel layouts]).
+    ([Note: fused CPU kernel layouts]), and after each step the versions of the parameters the kernel stepped are
+    bumped, so ZeRO-1/2, HFSDP and ``optimizer_only`` see the new shards ([Note: fused steps and version counters]).
 
     Everything is checked before anything changes. What cannot be sped up is left as it is, with one
     ``UserWarning`` naming it: another optimizer class (SGD, a subclass of AdamW, ...), a group with
@@ -75,7 +85,7 @@ def fast_host_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     for plan in plans:
         _apply(optimizer, plan)
     if any(_has_host_params(group) and group.get("fused") for group in optimizer.param_groups):
-        _LayoutGuard.install(optimizer)
+        _FusedStepHooks.install(optimizer)
     if left_out:
         _warn(optimizer, left_out)
     return optimizer
@@ -181,9 +191,10 @@ def _warn(optimizer: torch.optim.Optimizer, left_out: list[str]) -> None:
     warnings.warn(f"fast_host_step: {name} keeps torch's default step for " + "; ".join(left_out), stacklevel=3)
 
 
-class _LayoutGuard:
+class _FusedStepHooks:
     """Step pre- and post-hook: for one step, a fused group's host parameters whose layouts the kernel would
-    get wrong move to a for-loop group of their own ([Note: fused CPU kernel layouts])."""
+    get wrong move to a for-loop group of their own ([Note: fused CPU kernel layouts]); after the step, the
+    versions of the parameters the kernel stepped are bumped ([Note: fused steps and version counters])."""
 
     moved: list[tuple[dict[str, Any], list[torch.Tensor], dict[str, Any]]]  # (group, its params, loop group)
 
@@ -192,13 +203,13 @@ class _LayoutGuard:
 
     @classmethod
     def install(cls, optimizer: torch.optim.Optimizer) -> None:
-        """Register one guard on ``optimizer``, unless it has one."""
-        hooks: Iterable[object] = getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()
-        if any(isinstance(hook, cls) for hook in hooks):
+        """Register the hooks on ``optimizer``, unless it has them."""
+        registered: Iterable[object] = getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()
+        if any(isinstance(hook, cls) for hook in registered):
             return
-        guard = cls()
-        optimizer.register_step_pre_hook(guard)
-        optimizer.register_step_post_hook(guard.restore)
+        hooks = cls()
+        optimizer.register_step_pre_hook(hooks)
+        optimizer.register_step_post_hook(hooks.after_step)
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.restore(optimizer)  # a step that raised left its loop groups behind
@@ -214,7 +225,16 @@ class _LayoutGuard:
             group["params"] = [p for p in group["params"] if id(p) not in moved]
             optimizer.param_groups.append(loop)
 
-    def restore(self, optimizer: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Bump the versions of the parameters the fused kernel stepped, then put the moved parameters back."""
+        for group in optimizer.param_groups:
+            if group.get("fused"):  # the for-loop groups' in-place ops bumped their own
+                for param in group["params"]:
+                    if param.grad is not None and _on_host(param):
+                        torch.autograd.graph.increment_version(param)
+        self.restore(optimizer)
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
         """Put the moved parameters back in their groups, in their order, and drop the loop groups."""
         for group, params, loop in reversed(self.moved):
             group["params"] = params
