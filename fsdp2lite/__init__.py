@@ -17,6 +17,7 @@ from .integrations import PatchReport, patch, unpatch
 from .launch import init_process_group
 from .mesh import init_mesh
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .offload import fast_host_step, step_in_backward
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingPolicy
 from .trace import count_wire_bytes, record_trace
 from .weights import WeightsReport, load_sharded_weights
@@ -42,6 +43,7 @@ __all__ = [
     "apply_config",
     "count_wire_bytes",
     "estimate_memory",
+    "fast_host_step",
     "fully_shard",
     "init_mesh",
     "init_process_group",
@@ -54,4 +56,5 @@ __all__ = [
     "save_checkpoint",
     "share_comm_ctx",
     "unpatch",
+    "step_in_backward",
 ]

@@ -134,7 +134,8 @@ def test_explain_every_shipped_config(config: str, capsys: pytest.CaptureFixture
     assert "<root>  top-level" in out
     for index in range(GPTConfig().n_layers):
         assert f"blocks.{index}  wrap[0]: class=Block" in out
-    degree = "shard degree 4, replicate 2" if config.endswith(("hsdp.yaml", "hfsdp.yaml")) else "shard degree 8, replicate 1"
+    two_d = config.endswith(("hsdp.yaml", "hfsdp.yaml"))
+    degree = "shard degree 4, replicate 2" if two_d else "shard degree 8, replicate 1"
     assert "summary: 834,304 params" in out and degree in out
     assert "schedule (root): forward_prefetch_depth=" in out
 

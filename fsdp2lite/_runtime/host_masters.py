@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
 from .replicas import piece_versions
+from .zero import watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -123,3 +124,4 @@ class HostSync:
 def make_host_masters(group: FSDPParamGroup) -> None:
     """Give a group of ``HostMasterParam`` its host-to-device refresh ([Note: host masters])."""
     group.refreshers = (*group.refreshers, HostSync(group))
+    watch_optimizer_steps()  # [Note: fused steps bump no version]

@@ -45,6 +45,7 @@ from .comm import all_gather_flat
 from .extension import contiguous_stride
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
+from .zero import watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -218,3 +219,4 @@ def make_replica_sharded(group: FSDPParamGroup) -> None:
     """Turn an HSDP ``group`` of ``ReplicaShardedParam`` into an HFSDP one ([Note: replica-sharded groups])."""
     group.replicas = ReplicaSync(group)
     group.refreshers = (*group.refreshers, group.replicas)
+    watch_optimizer_steps()  # [Note: fused steps bump no version]

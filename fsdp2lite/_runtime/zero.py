@@ -12,11 +12,22 @@ recorded when its all-gather completes, and every in-place change through the pa
 after a step all-gathers each group once and every other unshard is free.
 Writes that bypass autograd's version counters (through ``.data``) are not seen: ``model.reshard()`` frees
 the storage, so the next forward gathers anew. Per step: one all-gather and one reduce-scatter per group.
+
+[Note: fused steps bump no version]
+torch's fused optimizer kernels (``AdamW(fused=True)``, on CUDA and on CPU) write the parameters without
+moving their version counters, so a resident group (and a replica-sharded or host-master one) would not see
+such a step and would run the next forward on the old weights. A global optimizer step post-hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``, registered once, when the first such group is
+made) therefore moves the version counter of every fsdp2lite sharded parameter the stepped optimizer holds
+that has a gradient (an optimizer leaves the others as they are): whatever the kernel, the step is seen.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .states import ShardedState
 
@@ -67,3 +78,22 @@ def make_resident(group: FSDPParamGroup) -> None:
     """Turn ``group`` into a ZeRO-1/2 group: parameters kept through forward, storage kept across steps."""
     group.set_reshard_after_forward(False)
     group.resident = Resident(group)
+    watch_optimizer_steps()
+
+
+_watching: list[Any] = []  # the one hook handle, once registered
+
+
+def watch_optimizer_steps() -> None:
+    """Register, once per process, the optimizer step post-hook of [Note: fused steps bump no version]."""
+    if not _watching:
+        _watching.append(register_optimizer_step_post_hook(_mark_stepped))
+
+
+def _mark_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Move the version counter of each fsdp2lite sharded parameter ``optimizer`` just stepped (those with a
+    gradient), so a fused kernel's in-place writes are seen like any other ([Note: fused steps bump no version])."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and getattr(param, "_fsdp2lite_sharded", False):
+                torch.autograd.graph.increment_version(param)
