@@ -74,7 +74,7 @@ def check_parameters(
             f"replicas of a 2-D (replicate, shard) mesh, but this mesh is 1-D (shape {tuple(info.mesh.shape)}): pass "
             "init_device_mesh(..., (replicate, shard), mesh_dim_names=('replicate', 'shard')), or replicate='none'"
         )
-    odd = [f"{fqn} (all-gather hooks)" for fqn, param, _ in owned if has_extension(_local(param))]
+    odd = [f"{fqn} (all-gather hooks)" for fqn in hooked]
     odd += [f"{fqn} (tensor parallel)" for fqn, param, _ in owned if isinstance(param, DTensor)]
     odd += [f"{fqn} (Shard({dim}))" for (fqn, _, _), dim in zip(owned, dims) if dim != 0]
     odd += [f"{fqn} (0-dim)" for fqn, param, _ in owned if _local(param).dim() == 0]

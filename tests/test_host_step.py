@@ -12,8 +12,9 @@ update at lr 1e-2, so a skipped, repeated or mis-corrected step fails.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,26 +24,16 @@ from _dist import spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2lite as fl
 from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the op counter, benchmarks' own
+from _meters import OpCounter  # noqa: E402
+
 TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}  # fused vs for-loop rounding: see the module docstring
 LR = 1e-2
 OFFLOAD = fl.CPUOffloadPolicy(pin_memory=False)
-
-
-class OpCounter(TorchDispatchMode):
-    """aten ops dispatched, by name (a DTensor op counts once, at the DTensor level)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        self.calls[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def offloaded_mlp(**kwargs: Any) -> nn.Module:

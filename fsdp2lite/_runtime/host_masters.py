@@ -30,8 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
-from .replicas import piece_versions
-from .zero import watch_optimizer_steps
+from .zero import ShardWatch, watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -98,27 +97,23 @@ class HostSync:
 
     def __init__(self, group: FSDPParamGroup) -> None:
         self.group = group
-        self.params = [p for p in group.params if isinstance(p, HostMasterParam)]  # frozen ones have none
-        self.stale = False  # every device shard must be copied from its master
-        self.versions = {id(p): piece_versions(p) for p in self.params}  # as at the last copy
+        self.watch = ShardWatch([p for p in group.params if isinstance(p, HostMasterParam)])  # frozen: none
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
 
     def invalidate(self) -> None:
-        self.stale = True
+        self.watch.stale = True  # every device shard copied from its master at the next unshard
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""
-        due = [p for p in self.params if self.stale or self.versions[id(p)] != piece_versions(p)]
+        due = self.watch.due()
         for param in due:
             param.padded_shard.copy_(param.host_padded, non_blocking=param.host_padded.is_pinned())
             self.copied_bytes += param.host_padded.nbytes
         if due:
             self.copies += 1
             self.group.trace("host_to_device_masters")
-        self.stale = False
-        for param in self.params:
-            self.versions[id(param)] = piece_versions(param)
+        self.watch.record()
 
 
 def make_host_masters(group: FSDPParamGroup) -> None:

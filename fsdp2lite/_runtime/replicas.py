@@ -45,7 +45,7 @@ from .comm import all_gather_flat
 from .extension import contiguous_stride
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
-from .zero import watch_optimizer_steps
+from .zero import ShardWatch, watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -130,40 +130,26 @@ class ReplicaShardedParam(FSDPParam):
         return True
 
 
-def piece_versions(param: FSDPParam) -> tuple[int, int]:
-    """A sharded parameter's version counters: the DTensor's (in-place ops through it, the optimizer's) and
-    its local tensor's (writes to it directly, a sharded load)."""
-    return param.sharded_param._version, param.sharded_param._local_tensor._version  # type: ignore[attr-defined]
-
-
 class ReplicaSync:
     """An HFSDP group's replica collectives and the freshness of its chunks ([Note: replica-sharded groups])."""
 
     def __init__(self, group: FSDPParamGroup) -> None:
         self.group = group
-        self.stale = False  # every chunk must be gathered: gradients were reduced, or the chunks were reset
-        self.versions = {id(p): piece_versions(p) for p in group.params}  # as at the last gather
+        self.watch = ShardWatch(list(group.params))  # stale: gradients were reduced, or the chunks were reset
         self.gathers = 0  # replica all-gathers run (tests and trace read it)
 
     def invalidate(self) -> None:
         """Gather every chunk at the next unshard."""
-        self.stale = True
-
-    def _due(self) -> list[ReplicaShardedParam]:
-        if self.stale:
-            return list(self.group.params)
-        return [p for p in self.group.params if self.versions[id(p)] != piece_versions(p)]
+        self.watch.stale = True
 
     def refresh(self) -> None:
         """All-gather across the replicas the pieces of every chunk that may be stale (none: no collective)."""
-        due = self._due()
+        due = self.watch.due()
         if due and self.group.mesh_info.replicate_size > 1:
             self._all_gather(due)
             self.gathers += 1
             self.group.trace("replica_all_gather")
-        self.stale = False
-        for param in self.group.params:
-            self.versions[id(param)] = piece_versions(param)
+        self.watch.record()
 
     def _all_gather(self, params: list[ReplicaShardedParam]) -> None:
         """One all-gather (as bytes: the parameters may differ in dtype) of the pieces into the chunks."""
@@ -177,8 +163,8 @@ class ReplicaSync:
         all_gather_flat(received, send, group=info.replicate_group)
         received = received.view(info.replicate_size, send.numel())
         comm.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
-        for param, size, offset in zip(params, sizes, _offsets(sizes)):
-            chunks = received[:, offset : offset + size].contiguous().view(param.padded_shard.dtype)
+        for param, columns in zip(params, received.split(sizes, dim=1)):
+            chunks = columns.contiguous().view(param.padded_shard.dtype)
             rows = chunks.view(info.replicate_size * param.slot_rows, *param.gather_shape[1:])
             param.padded_shard.narrow(0, 0, param.local_rows).copy_(rows[: param.local_rows])
 
@@ -196,7 +182,7 @@ class ReplicaSync:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, short)) if short > 0 else rows[:want]
             blocks.append(rows.reshape(replicas, -1))
         send = torch.cat(blocks, dim=1)  # (replicas, total): rank-major, one slot per replica
-        self.stale = True  # the pieces get new gradients: an optimizer step follows
+        self.watch.stale = True  # the pieces get new gradients: an optimizer step follows
         if replicas == 1:
             return send[0]
         in_place = reduces_in_place(info.replicate_group, comm.device)
@@ -205,14 +191,6 @@ class ReplicaSync:
         ring = send.nbytes * (replicas - 1) // replicas
         comm.count("replica_all_reduce" if in_place else "replica_reduce_scatter", 2 * ring if in_place else ring)
         return received.clone() if in_place else received
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
 
 
 def make_replica_sharded(group: FSDPParamGroup) -> None:

@@ -34,22 +34,42 @@ from .states import ShardedState
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
 
+def shard_versions(param: Any) -> tuple[int, int]:
+    """A sharded parameter's version counters: the DTensor's (bumped by in-place ops through it, such as the
+    optimizer's: DTensor runs them on its local tensor below autograd, which bumps only the outer counter)
+    and its local tensor's (bumped by writes to it directly, such as a sharded weight load)."""
+    return param.sharded_param._version, param.sharded_param._local_tensor._version
+
+
+class ShardWatch:
+    """Which of ``params``' registered shards changed since ``record()`` (their version counters moved),
+    or all of them once ``stale`` is set: what HFSDP's and host masters' refreshes copy from."""
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params = params
+        self.record()
+
+    def due(self) -> list[Any]:
+        if self.stale:
+            return list(self.params)
+        return [param for param in self.params if self.versions[id(param)] != shard_versions(param)]
+
+    def record(self) -> None:
+        """Every shard as it is now is the one refreshed from."""
+        self.stale = False
+        self.versions = {id(param): shard_versions(param) for param in self.params}
+
+
 class Resident:
     """The freshness of a resident group's unsharded storage ([Note: resident groups])."""
 
     def __init__(self, group: FSDPParamGroup) -> None:
         self.group = group
-        self.versions: tuple[int, ...] | None = None  # the shards' versions when last gathered
+        self.versions: tuple[tuple[int, int], ...] | None = None  # the shards' versions when last gathered
         self.skipped = 0  # all-gathers skipped because the storage was fresh (tests and trace read it)
 
-    def _current(self) -> tuple[int, ...]:
-        """Each shard's version counters: the DTensor's (bumped by in-place ops through it, such as the
-        optimizer's: DTensor runs them on its local tensor below autograd, which bumps only the outer
-        counter) and its local tensor's (bumped by writes to it directly, such as a sharded weight load)."""
-        versions: list[int] = []
-        for param in self.group.params:
-            versions += (param.sharded_param._version, param.sharded_param._local_tensor._version)  # type: ignore[attr-defined]
-        return tuple(versions)
+    def _current(self) -> tuple[tuple[int, int], ...]:
+        return tuple(shard_versions(param) for param in self.group.params)
 
     def gathered(self) -> None:
         """The all-gather just completed holds the shards as they are now."""

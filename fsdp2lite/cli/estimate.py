@@ -44,7 +44,7 @@ from .estimate_search import (
     train_command,
     write_config,
 )
-from .explain import build_on_meta, human_bytes, load_factory
+from .explain import build_on_meta, human_bytes, load_factory, placement_text
 from .validate import problems_table
 
 __all__ = ["communication_bytes", "nearest_rows", "parse_bytes", "run", "add_arguments"]
@@ -217,13 +217,8 @@ def _resolve_budget(
     with ``--write-config`` (without ``--budget``); the resolved config is what the rest estimates."""
     keys = ("world_size", "batch", "seq", "optimizer", "device", "inputs")
     placement = resolve_offload_budget(factory, config, **{key: common[key] for key in keys})
-    kind = "optimizer_only" if config.offload.optimizer_only else "full"
-    moved = ", ".join(placement.offloaded) or "none"
     console.print(
-        f"offload budget {human_bytes(placement.budget)}: {len(placement.offloaded)} of {placement.candidates} "
-        f"groups offloaded ({kind}, largest first): {moved}; analytic peak "
-        f"{human_bytes(placement.estimate.peak_bytes)}",
-        soft_wrap=True,
+        f"offload budget {human_bytes(placement.budget)}: {placement_text(placement, config)}", soft_wrap=True
     )
     if not placement.fits:
         activations = placement.estimate.breakdown.get("activations", 0)

@@ -468,9 +468,17 @@ def _resolved_budget(console: Console, factory: Any, config: FSDPConfig, world_s
         raise UsageError(f"cannot resolve offload.budget: {exc}", _PROG) from None
     console.print(
         f"offload budget {human_bytes(placement.budget)} at batch 1 (fsdp2lite estimate --config takes yours): "
-        f"{len(placement.offloaded)} of {placement.candidates} groups offloaded, largest first: "
-        f"{', '.join(placement.offloaded) or 'none'}; analytic peak {human_bytes(placement.estimate.peak_bytes)}"
+        + placement_text(placement, config)
         + ("" if placement.fits else " [red](over the budget even with every group offloaded)[/red]"),
         soft_wrap=True,
     )
     return placement.config
+
+
+def placement_text(placement: Any, config: FSDPConfig) -> str:
+    """What an ``offload.budget`` resolved to, in one line (explain and estimate print it)."""
+    kind = "optimizer_only" if config.offload.optimizer_only else "full"
+    return (
+        f"{len(placement.offloaded)} of {placement.candidates} groups offloaded ({kind}, largest first): "
+        f"{', '.join(placement.offloaded) or 'none'}; analytic peak {human_bytes(placement.estimate.peak_bytes)}"
+    )

@@ -152,11 +152,7 @@ def _memory_terms(
     terms["T"] = trainable if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
     on_host = [group.policy.offload.device == "cpu" for group in plan.groups]
     offloaded = [g for g, host in zip(groups, on_host) if host]
-    moved = [
-        g
-        for g, p in zip(groups, plan.groups)
-        if p.policy.offload.device == "cpu" and not p.policy.offload.optimizer_only
-    ]
+    moved = [g for g, p, host in zip(groups, plan.groups, on_host) if host and not p.policy.offload.optimizer_only]
     share = sum(g.sharded for g in moved) / terms["S"] if terms["S"] else 0.0  # optimizer_only keeps its shards
     share_t = sum(t for t, host in zip(trained, on_host) if host) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host

@@ -205,10 +205,10 @@ def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
     return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
 
 
-def offloaded_share(model: nn.Module) -> tuple[int, float, float]:
-    """(bytes of the shards on the host, their share of all shard bytes, the share of the shards whose
-    gradients and optimizer state are on the host) of a sharded model: ``CPUOffloadPolicy`` moves both,
-    ``optimizer_only`` keeps its shards on the device and moves its gradients and optimizer state."""
+def offloaded_share(model: nn.Module) -> tuple[int, float]:
+    """(bytes of the shards on the host, the share of all shard bytes whose gradients and optimizer state are
+    on the host) of a sharded model: ``CPUOffloadPolicy`` moves both, ``optimizer_only`` keeps its shards on
+    the device and moves its gradients and optimizer state."""
     sizes = [
         (param.padded_shard.untyped_storage().nbytes(), param.offload_to_cpu, param.grads_on_host)
         for param in fsdp_params(model)
@@ -216,4 +216,4 @@ def offloaded_share(model: nn.Module) -> tuple[int, float, float]:
     total = sum(nbytes for nbytes, _, _ in sizes)
     offloaded = sum(nbytes for nbytes, offload, _ in sizes if offload)
     state = sum(nbytes for nbytes, _, on_host in sizes if on_host)
-    return offloaded, (offloaded / total if total else 0.0), (state / total if total else 0.0)
+    return offloaded, (state / total if total else 0.0)

@@ -290,7 +290,7 @@ def _move_offloaded_to_host(model: nn.Module, breakdown: dict[str, int]) -> int:
     """CPU offload: the offloaded groups' shards live on the host (not ``optimizer_only``'s), and so do their
     gradients and optimizer state (in the proportion of their shards); take them out of the device's
     breakdown. Returns the optimizer state moved (``_planned`` adds the shards and gradients at their pinned sizes)."""
-    offloaded, _, share = offloaded_share(model)
+    offloaded, share = offloaded_share(model)
     if not share:
         return 0
     moved = {"params": min(offloaded, breakdown["params"])}
