@@ -787,30 +787,103 @@ def test_deepspeed_offload_rows_do_not_depend_on_the_walk_order(order: int) -> N
     )
 
 
-def test_deepspeed_nvme_offload_is_unsupported_not_an_error(tmp_path: Path) -> None:
-    nvme_param = {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}
-    nvme_optimizer = {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 4, "pipeline_read": False,
-                      "pipeline_write": False, "fast_init": False, "pin_memory": True, "ratio": 1.0}  # fmt: skip
-    data = {"zero_optimization": {"stage": 3, "offload_param": nvme_param, "offload_optimizer": nvme_optimizer}}
-    path = write(tmp_path, "ds.json", data)
-    m = migrate("deepspeed", path)
-    assert offload_of(m) == ("none", False, True)  # nothing offloaded: fsdp2lite's defaults
-    rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys if "offload" in k.key}
-    assert {key for key, r in rows.items() if r.status != "unsupported"} == {"offload_optimizer.ratio"}
-    assert all("NVMe offload (ZeRO-Infinity) is not built yet in fsdp2lite" in r.detail for r in rows.values()
-               if r.status == "unsupported")  # fmt: skip
-    assert main(["migrate", "--from", "deepspeed", str(path), "-o", str(tmp_path / "o.yaml")]) == 0
-    # NVMe for the parameters, cpu for the optimizer: ZeRO-Offload, the NVMe settings unsupported
-    data["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "buffer_count": 4, "ratio": 0.3}
-    m = migrate("deepspeed", write(tmp_path, "mixed.json", data))
+NVME_OPTIMIZER = {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4, "pipeline_read": False,
+                  "pipeline_write": False, "fast_init": False, "pin_memory": True, "ratio": 1.0}  # fmt: skip
+NVME_PARAM = {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}
+AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+NO_PARAM_NVME = "the parameters go to host RAM, not NVMe"
+
+
+def offload_nvme(m) -> tuple[str, str | None]:
+    return m.config.offload.optimizer, m.config.offload.nvme_path
+
+
+def check_policy_file(m, tmp_path: Path) -> None:
+    """The migrated policy file reads back as the same config and validates."""
+    out = tmp_path / "out.yaml"
+    out.write_text(m.yaml())
+    assert fl.FSDPConfig.from_yaml(out) == m.config and main(["validate", str(out)]) == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_nvme_optimizer_is_fsdp2lite_nvme_optimizer(stage: int, tmp_path: Path) -> None:
+    """offload_optimizer: {device: nvme} is ZeRO-Infinity's optimizer offload: optimizer_only with the state in
+    files under nvme_path; the swap and aio knobs are each reported by name, dropped, with why."""
+    zero = {"stage": stage, "offload_optimizer": NVME_OPTIMIZER, "leaf_module": {"classes": ["Block"]}}
+    data = {"zero_optimization": zero, "aio": AIO}
+    m = migrate("deepspeed", write(tmp_path, "ds.json", data))
+    assert offload_of(m) == ("cpu", True, True) and offload_nvme(m) == ("nvme", "/local_nvme")
+    policy = m.config.offload.to_policy()
+    assert (policy.optimizer, policy.nvme_path, policy.optimizer_only) == ("nvme", "/local_nvme", True)
+    check_policy_file(m, tmp_path)
+    assert "nvme_path: /local_nvme  # from zero_optimization.offload_optimizer.device" in m.yaml()
     rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys}
-    assert offload_of(m) == ("cpu", True, False)
-    assert rows["offload_param.device"].status == rows["offload_param.nvme_path"].status == "unsupported"
-    assert rows["offload_optimizer.buffer_count"].status == "dropped"  # an NVMe setting of a cpu offload
-    assert "only with device nvme" in rows["offload_optimizer.buffer_count"].detail
+    device = rows["offload_optimizer.device"]
+    assert device.status == "mapped" and "optimizer: nvme, nvme_path: /local_nvme" in device.detail
+    assert "ZeRO-Infinity's optimizer offload" in device.detail and "one file per rank" in device.detail
+    assert rows["offload_optimizer.nvme_path"].detail.startswith("offload.nvme_path: /local_nvme")
+    assert rows["offload_optimizer.pin_memory"].detail.startswith("offload.pin_memory: true")
+    for name, words in [("buffer_count", "two host buffers"), ("pipeline_read", "reads the next group"),
+                        ("pipeline_write", "I/O thread"), ("fast_init", "reserves each rank's file")]:  # fmt: skip
+        report = rows[f"offload_optimizer.{name}"]
+        assert report.status == "dropped" and words in report.detail, report
+    for name in AIO:
+        report = rows[f"aio.{name}"]
+        assert report.status == "dropped" and "os.preadv/os.pwrite" in report.detail, report
+    assert rows["offload_optimizer.ratio"].detail.startswith("nothing")
+    assert not m.unknown and not m.notes
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "expected"),
+    [
+        ({}, ("none", None)),  # parameters (nvme) in host RAM, the optimizer goes with them
+        ({"device": "cpu"}, ("cpu", None)),
+        (NVME_OPTIMIZER, ("nvme", "/local_nvme")),  # ZeRO-Infinity: the optimizer state stays on NVMe
+    ],
+)
+def test_deepspeed_nvme_params_go_to_host_ram(optimizer: dict, expected: tuple, tmp_path: Path) -> None:
+    """fsdp2lite has no parameter offload to NVMe: offload_param nvme is full host offload, and the report,
+    a note and the policy file say plainly that the parameters go to host RAM."""
+    zero = {"stage": 3, "offload_param": NVME_PARAM, "offload_optimizer": optimizer, "leaf_module": {"classes": ["B"]}}
+    m = migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": zero}))
+    assert offload_of(m)[:2] == ("cpu", False)
+    assert offload_nvme(m) == (expected if expected[0] == "nvme" else ("cpu", None))
+    check_policy_file(m, tmp_path)
+    rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys}
+    device = rows["offload_param.device"]
+    assert device.status == "mapped" and "optimizer_only: false" in device.detail and NO_PARAM_NVME in device.detail
+    path = rows["offload_param.nvme_path"]
+    assert path.status == "unsupported" and "parameter offload to NVMe" in path.detail
+    for name in ("buffer_count", "buffer_size", "max_in_cpu"):
+        assert (
+            rows[f"offload_param.{name}"].status == "dropped"
+            and "NVMe parameter swapping" in rows[f"offload_param.{name}"].detail
+        )
+    [note] = m.notes
+    assert note.startswith("zero_optimization.offload_param.device is nvme, but fsdp2lite has no parameter offload")
+    assert ("and the optimizer state" in note) == (expected[0] != "nvme") and "# note: " + note in m.yaml()
+    assert not m.unknown
+
+
+def test_deepspeed_nvme_settings_of_a_section_not_on_nvme_are_dropped(tmp_path: Path) -> None:
+    """DeepSpeed reads nvme_path and the swap knobs only with device nvme, and offload_param at stage 3 only."""
+    zero = {"stage": 2, "offload_param": NVME_PARAM, "offload_optimizer": {"device": "cpu", "buffer_count": 4,
+            "nvme_path": "/nvme", "ratio": 0.3}, "leaf_module": {"classes": ["Block"]}}  # fmt: skip
+    m = migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": zero}))
+    assert offload_of(m) == ("cpu", True, False) and offload_nvme(m) == ("cpu", None)
+    rows = {k.key.removeprefix("zero_optimization."): k for k in m.keys}
+    assert "only with device nvme (offload_optimizer device is cpu)" in rows["offload_optimizer.buffer_count"].detail
+    assert "only with device nvme" in rows["offload_optimizer.nvme_path"].detail
+    assert (
+        "stage 3 only" in rows["offload_param.device"].detail
+        and "stage 3 only" in rows["offload_param.nvme_path"].detail
+    )
     assert (
         rows["offload_optimizer.ratio"].status == "unsupported" and "partial" in rows["offload_optimizer.ratio"].detail
     )
+    assert not m.notes
+    check_policy_file(m, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -831,11 +904,26 @@ def test_deepspeed_nvme_offload_is_unsupported_not_an_error(tmp_path: Path) -> N
         ),
         ({"offload_optimizer": "cpu"}, r"offload_optimizer 'cpu': expected a mapping such as \{device: cpu\}"),
         ({"offload_optimizer": {"device": "cpu", "ratio": 2}}, r"offload_optimizer.ratio 2: expected a number in"),
+        (
+            {"offload_optimizer": {"device": "nvme"}},
+            r"zero_optimization.offload_optimizer.device is nvme but zero_optimization.offload_optimizer.nvme_path "
+            r"is not given: DeepSpeed requires",
+        ),
+        (
+            {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ""}},
+            r"offload_param.device is nvme but zero_optimization.offload_param.nvme_path is not given",
+        ),
+        (
+            {"offload_optimizer": {"device": "nvme", "nvme_path": 7}},
+            r"offload_optimizer.nvme_path 7: expected a directory path",
+        ),
     ],
 )
 def test_deepspeed_bad_offload_values(zero: dict, match: str, tmp_path: Path) -> None:
     with pytest.raises(MigrationError, match=match):
         migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": {"stage": 2, **zero}}))
+    if zero.get("offload_param", {}).get("device") == "nvme":  # read at stage 3 only: no path needed below it
+        migrate("deepspeed", write(tmp_path, "ds.json", {"zero_optimization": {**zero, "stage": 2}}))
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,14 @@
-"""DeepSpeed ZeRO configs (JSON): stages 1-3, offload (``deepspeed_offload``), hpZ, MiCS, leaf modules, dtypes."""
+"""DeepSpeed ZeRO configs (JSON): stages 1-3, offload (``deepspeed_offload``), hpZ, MiCS, leaf modules, dtypes.
+
+``deepspeed_table(prefix)`` is the same table for a DeepSpeed config inside another tool's input (the HF
+Trainer's ``deepspeed``, Accelerate's ``deepspeed_config_file``), its keys under ``prefix``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Rule, add_block_rule, set_key
-from .deepspeed_offload import NVME, OFFLOAD_RULES
+from .deepspeed_offload import OFFLOAD_RULES
 
 
 def _ds_stage(m: Migration, value: Any) -> str:
@@ -50,6 +53,11 @@ def _ds_leaf(m: Migration, value: Any) -> str:
 
 def _ds_dtype(dtype: str) -> Handler:
     def handle(m: Migration, value: Any) -> str:
+        if value == "auto":  # the HF Trainer's and Accelerate's DeepSpeed templates
+            return (
+                "nothing ('auto': the HF Trainer or Accelerate fills it from its own bf16/fp16 setting, "
+                "which maps to mixed_precision where the input has it)"
+            )
         if not value:
             return "nothing (disabled)"
         set_key(m, "mixed_precision.param_dtype", dtype, f"{dtype}.enabled")
@@ -146,5 +154,9 @@ DEEPSPEED: dict[str, Rule] = {
     "csv_monitor.*": ("dropped", "logging"),
     "flops_profiler.*": ("dropped", "profiling"),
     "comms_logger.*": ("dropped", "use fl.record_trace and fsdp2lite trace summarize"),
-    "aio.*": ("dropped", f"NVMe I/O settings: {NVME}"),
 }
+
+
+def deepspeed_table(prefix: str) -> dict[str, Rule]:
+    """``DEEPSPEED`` with every key under ``prefix`` (the handlers read no key names)."""
+    return {f"{prefix}{key}": rule for key, rule in DEEPSPEED.items()}
