@@ -964,9 +964,209 @@ def test_fsdp_offload_flags_and_accelerates_deepspeed_plugin(tmp_path: Path) -> 
     with pytest.raises(MigrationError, match=r"training.enable_cpu_offload 'yes': expected true or false"):
         migrate("torchtitan", write(tmp_path, "t.toml", '[training]\nenable_cpu_offload = "yes"\n'))
     plugin = "distributed_type: DEEPSPEED\ndeepspeed_config:\n  offload_optimizer_device: cpu\n  zero_stage: 2\n"
-    with pytest.raises(MigrationError, match=r"only FSDP setups migrate \(a DeepSpeed setup: .*--from deepspeed\)"):
-        migrate("accelerate", write(tmp_path, "ds.yaml", plugin))
+    m = migrate("accelerate", write(tmp_path, "ds.yaml", plugin))  # the DeepSpeed plugin: ZeRO-Offload
+    assert offload_of(m) == ("cpu", True, False) and m.config.zero_stage == 2
     m = migrate("accelerate", write(tmp_path, "fsdp.yaml", plugin.replace("DEEPSPEED", "FSDP")))
     report = {k.key: k for k in m.keys}["deepspeed_config.offload_optimizer_device"]
     assert report.status == "dropped" and "an FSDP launch does not read" in report.detail
     assert m.config.offload.device == "none"
+
+
+# ---- Accelerate's DeepSpeed plugin and the HF Trainer's deepspeed: the same offload mapping ----------
+PLUGIN = "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+
+
+@pytest.mark.parametrize(
+    ("plugin", "expected", "row", "words"),
+    [
+        ({"zero_stage": 2, "offload_optimizer_device": "cpu"}, ("cpu", True, "cpu", None), "optimizer", ZERO_OFFLOAD),
+        (
+            {"zero_stage": 1, "offload_optimizer_device": "nvme", "offload_optimizer_nvme_path": "/nvme"},
+            ("cpu", True, "nvme", "/nvme"),
+            "optimizer",
+            "ZeRO-Infinity's optimizer offload",
+        ),
+        (
+            {"zero_stage": 3, "offload_param_device": "cpu", "offload_param_nvme_path": "none"},
+            ("cpu", False, "cpu", None),
+            "param",
+            "the optimizer goes with them",
+        ),
+        (
+            {
+                "zero_stage": 3,
+                "offload_param_device": "nvme",
+                "offload_param_nvme_path": "/nvme",
+                "offload_optimizer_device": "nvme",
+                "offload_optimizer_nvme_path": "/nvme",
+            },  # fmt: skip
+            ("cpu", False, "nvme", "/nvme"),
+            "param",
+            NO_PARAM_NVME,
+        ),
+        ({"offload_param_device": "cpu"}, ("none", False, "cpu", None), "param", "stage 3 only"),  # default stage 2
+    ],
+)
+def test_accelerate_deepspeed_plugin_offload(
+    plugin: dict, expected: tuple, row: str, words: str, tmp_path: Path
+) -> None:
+    """distributed_type: DEEPSPEED: the plugin's offload_*_device / _nvme_path map as DeepSpeed's sections do."""
+    text = PLUGIN + "".join(f"  {key}: {value}\n" for key, value in plugin.items())
+    m = migrate("accelerate", write(tmp_path, "a.yaml", text + "mixed_precision: bf16\n"))
+    offload = m.config.offload
+    assert (offload.device, offload.optimizer_only, offload.optimizer, offload.nvme_path) == expected
+    assert m.config.mixed_precision.param_dtype == torch.bfloat16
+    report = {k.key: k for k in m.keys}[f"deepspeed_config.offload_{row}_device"]
+    assert words in report.detail, report
+    assert not m.unknown
+    if "zero_stage" not in plugin:
+        assert m.config.zero_stage == 2 and "deepspeed_config.zero_stage not given: Accelerate's default, 2" in m.notes
+    check_policy_file(m, tmp_path)
+
+
+def test_accelerate_deepspeed_fixture_and_config_file(tmp_path: Path) -> None:
+    """A whole `accelerate config` DeepSpeed file (every key reported, none unknown), and a plugin that names a
+    deepspeed_config_file: that file is read (beside the YAML) and walked as a DeepSpeed config."""
+    m = migrate("accelerate", FIXTURES / "accelerate_deepspeed_nvme.yaml")
+    assert not m.unknown and m.config.reshard_after_forward is True
+    assert (m.config.offload.optimizer_only, m.config.offload.optimizer, m.config.offload.nvme_path) == (
+        True,
+        "nvme",
+        "/local_nvme",
+    )
+    rows = {k.key: k for k in m.keys}
+    assert rows["deepspeed_config.offload_optimizer_nvme_path"].detail.startswith("offload.nvme_path: /local_nvme")
+    assert rows["deepspeed_config.offload_param_nvme_path"].status == "dropped"
+    assert rows["deepspeed_config.zero3_init_flag"].status == "dropped"
+    check_policy_file(m, tmp_path)
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+    write(tmp_path, "ds.json", ds)
+    text = f"{PLUGIN}  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"
+    m = migrate("accelerate", write(tmp_path, "a.yaml", text))
+    assert offload_of(m) == ("cpu", True, False) and offload_nvme(m) == ("nvme", "/nvme")
+    assert f"deepspeed_config.deepspeed_config_file: read {tmp_path / 'ds.json'}" in m.notes
+    key = "deepspeed_config.deepspeed_config_file.zero_optimization.offload_optimizer.device"
+    assert "ZeRO-Infinity" in {k.key: k for k in m.keys}[key].detail and not m.unknown
+    assert m.config == migrate("deepspeed", tmp_path / "ds.json").config  # the same as --from deepspeed
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            "  zero_stage: 2\n  offload_optimizer_device: nvme\n  offload_optimizer_nvme_path: none\n",
+            r"deepspeed_config.offload_optimizer_device is nvme but deepspeed_config.offload_optimizer_nvme_path is "
+            r"not given: DeepSpeed requires",
+        ),
+        (
+            "  zero_stage: 3\n  offload_param_device: nvme\n",
+            r"deepspeed_config.offload_param_device is nvme but deepspeed_config.offload_param_nvme_path",
+        ),
+        ("  offload_param_device: disk\n", r"deepspeed_config.offload_param_device 'disk': expected one of none, cpu"),
+        ("  zero_stage: 0\n", r"ZeRO stage 0 shards nothing"),
+        ("  zero_stage: 5\n", r"deepspeed_config.zero_stage must be 0-3, got 5"),
+        (
+            "  deepspeed_config_file: ds.json\n  offload_optimizer_device: cpu\n",
+            r"deepspeed_config_file is given, and so are offload_optimizer_device: Accelerate refuses",
+        ),
+        ("  deepspeed_config_file: missing.json\n", r"deepspeed_config_file 'missing.json': no such file"),
+    ],
+)
+def test_accelerate_deepspeed_plugin_bad_values(text: str, match: str, tmp_path: Path) -> None:
+    write(tmp_path, "ds.json", {"zero_optimization": {"stage": 2}})
+    with pytest.raises(MigrationError, match=match):
+        migrate("accelerate", write(tmp_path, "a.yaml", PLUGIN + text))
+
+
+DS_CASES = [  # DeepSpeed configs, each migrated directly and inside the Trainer's deepspeed: the same config
+    {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+    {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}, "offload_optimizer": {"device": "cpu"}},
+    {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}},
+]
+
+
+@pytest.mark.parametrize("zero", DS_CASES)
+@pytest.mark.parametrize("inline", [True, False])
+def test_hf_trainer_deepspeed_maps_as_deepspeed(zero: dict, inline: bool, tmp_path: Path) -> None:
+    """TrainingArguments' deepspeed (a mapping or its JSON file) goes through the DeepSpeed mapping."""
+    ds = {"zero_optimization": {**zero, "leaf_module": {"classes": ["Block"]}}}
+    direct = migrate("deepspeed", write(tmp_path, "ds.json", ds))
+    args = {"deepspeed": ds if inline else "ds.json", "learning_rate": 1e-5}
+    m = migrate("hf-trainer", write(tmp_path, "args.json", args))
+    assert m.config == direct.config and not m.unknown
+    rows = {k.key: k for k in m.keys}
+    for report in direct.keys:
+        assert rows[f"deepspeed.{report.key}"].detail == report.detail, report
+    assert rows["learning_rate"].status == "dropped"
+    assert [n.removeprefix("deepspeed.") for n in m.notes if not n.startswith("deepspeed: read")] == direct.notes
+    check_policy_file(m, tmp_path)
+
+
+def test_hf_trainer_args_fixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A TrainingArguments JSON with a Hugging Face DeepSpeed template ('auto' values): bf16 comes from the
+    Trainer's own bf16; NVMe optimizer state with parameters in host RAM; the CLI writes a valid policy."""
+    m = migrate("hf-trainer", FIXTURES / "hf_trainer_args_deepspeed.json", model=GPT(TINY))
+    offload = m.config.offload
+    assert (offload.device, offload.optimizer_only, offload.optimizer, offload.nvme_path) == (
+        "cpu",
+        False,
+        "nvme",
+        "/local_nvme",
+    )
+    assert m.config.mixed_precision.param_dtype == torch.bfloat16 and not m.unknown
+    rows = {k.key: k for k in m.keys}
+    assert rows["deepspeed.bf16.enabled"].detail.startswith("nothing ('auto'")
+    assert rows["bf16"].detail == "mixed_precision: param_dtype bf16, reduce_dtype fp32"
+    assert "activation_checkpointing: true" in rows["gradient_checkpointing"].detail
+    assert rows["deepspeed.aio.queue_depth"].status == "dropped"
+    out = tmp_path / "out.yaml"
+    argv = ["migrate", "--from", "hf-trainer", str(FIXTURES / "hf_trainer_args_deepspeed.json"), "-o", str(out)]
+    assert main(argv) == 0 and main(["validate", str(out)]) == 0
+    assert fl.FSDPConfig.from_yaml(out).offload.optimizer == "nvme"
+
+
+@pytest.mark.parametrize("words", ["full_shard auto_wrap offload", ["full_shard", "auto_wrap", "offload"]])
+def test_hf_trainer_args_fsdp_offload_word(words: str | list[str], tmp_path: Path) -> None:
+    """TrainingArguments' fsdp words: offload is FSDP's parameter offload (full host offload)."""
+    args = {"fsdp": words, "fsdp_config": {"transformer_layer_cls_to_wrap": ["Block"]}, "bf16": True, "seed": 1}
+    m = migrate("hf-trainer", write(tmp_path, "args.json", args))
+    assert offload_of(m) == ("cpu", False, True) and m.config.offload.optimizer == "cpu"
+    rows = {k.key: k for k in m.keys}
+    assert ON_HOST in rows["fsdp offload"].detail and rows["fsdp full_shard"].status == "mapped"
+    assert rows["transformer_layer_cls_to_wrap"].status == "mapped" and rows["seed"].status == "dropped"
+    assert groups_of(m.config, GPT(TINY)) == [("blocks.0",), ("blocks.1",), ("",)]
+    check_policy_file(m, tmp_path)
+    write(tmp_path, "fsdp.json", args["fsdp_config"])  # fsdp_config as its JSON file
+    m = migrate("hf-trainer", write(tmp_path, "args.json", {**args, "fsdp_config": "fsdp.json"}))
+    assert offload_of(m) == ("cpu", False, True) and m.notes == [f"fsdp_config: read {tmp_path / 'fsdp.json'}"]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (
+            {"fsdp": "full_shard", "deepspeed": {"zero_optimization": {"stage": 3}}},
+            {},
+            r"deepspeed and fsdp 'full_shard' are both given: the Trainer runs FSDP or DeepSpeed",
+        ),
+        ({"deepspeed": "nowhere.json"}, {}, r"deepspeed 'nowhere.json': no such file"),
+        (
+            {"deepspeed": {"train_batch_size": 8}},
+            {},
+            r"deepspeed is not a DeepSpeed config: no zero_optimization at the top level",
+        ),
+        (
+            {"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}},
+            {},
+            r"deepspeed.zero_optimization.offload_optimizer.device is nvme but "
+            r"deepspeed.zero_optimization.offload_optimizer.nvme_path is not given",
+        ),
+        ({"fsdp": "full_shard"}, {"fsdp_option": "shard_grad_op"}, r"fsdp 'full_shard' and --fsdp 'shard_grad_op'"),
+        ({"fsdp": 3}, {}, r"fsdp 3: expected words"),
+        ({"fsdp": "full_shard", "bf16": "yes"}, {}, r"bf16 'yes': expected true or false"),
+    ],
+)
+def test_hf_trainer_bad_args(args: dict, kwargs: dict, match: str, tmp_path: Path) -> None:
+    with pytest.raises(MigrationError, match=match):
+        migrate("hf-trainer", write(tmp_path, "args.json", args), **kwargs)

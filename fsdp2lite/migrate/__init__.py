@@ -22,15 +22,17 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from .accelerate import ACCELERATE, HF_TRAINER, hf_option, size_based_groups
+from .accelerate_deepspeed import ACCELERATE_DEEPSPEED, prepare_plugin
 from .blocks import add_default_blocks
 from .common import SOURCES, KeyReport, Migration, MigrationError, Rule, Status, add_block_rule
 from .deepspeed import DEEPSPEED
-from .deepspeed_offload import record_offload
+from .deepspeed_offload import OffloadKeys, deepspeed_keys, record_offload
+from .hf_trainer import TRAINER_KEYS, TrainerInput, prepare_trainer, trainer_rows
 from .megatron import MEGATRON_FSDP, check_megatron
 from .torchtitan import TORCHTITAN
 
@@ -112,34 +114,60 @@ def migrate(
     if source not in TABLES:
         raise ValueError(f"--from must be one of {', '.join(SOURCES)}; got {source!r}")
     data = read_input(source, path)
-    if source == "hf-trainer" and isinstance(data.get("fsdp_config"), dict):
-        data = data["fsdp_config"]  # TrainingArguments as JSON: the FSDP part
     _check_format(source, path, data)
-    flat = _flatten(data)
+    walk = _prepare(source, path, data, fsdp_option)
+    flat = _flatten(walk.data)
     if source == "megatron-fsdp":
         check_megatron(path, flat)
-    m = Migration(source, str(path), model=model)
+    m = Migration(source, str(path), model=model, notes=list(walk.notes))
     if world_size is not None:
         m.data["_world_size"] = world_size
-    if source == "deepspeed":  # both offload sections, read before the walk: the key order must not matter
-        record_offload(m, flat)
+    if walk.offload_keys is not None:  # both offload sections, read before the walk: the key order must not matter
+        record_offload(m, flat, walk.offload_keys)
     if source == "accelerate" and "num_machines" in data:
         m.data["_machines"] = data["num_machines"]
     if source == "torchtitan":  # its parallelize applies fully_shard to each TransformerBlock, then the model
         add_block_rule(m, ["TransformerBlock"], "torchtitan: one fully_shard per TransformerBlock")
     phases = [sorted(k for k in flat if _phase(k) == phase) for phase in range(3)]
     for key in phases[0]:  # the keys that name the groups
-        m.keys.append(_map_key(m, key, flat[key]))
+        m.keys.append(_map_key(m, walk.table, key, flat[key]))
     if not m.data.get("wrap") and not m.root_only:
         add_default_blocks(m, *DEFAULT_UNITS.get(source, ((), "")))
     for key in phases[1] + phases[2]:
-        m.keys.append(_map_key(m, key, flat[key]))
-    if fsdp_option:
-        m.keys.extend(hf_option(m, fsdp_option))
+        m.keys.append(_map_key(m, walk.table, key, flat[key]))
+    trainer = walk.trainer
+    option, label = (trainer.fsdp_option, trainer.fsdp_label) if trainer else (fsdp_option, "--fsdp")
+    if option:
+        m.keys.extend(hf_option(m, option, label))
+    if trainer:
+        m.keys.extend(trainer_rows(m, trainer.args, deepspeed=trainer.offload_keys is not None))
     for private in [key for key in m.data if key.startswith("_")]:
         m.data.pop(private)
     m.config  # noqa: B018  (raises MigrationError for values that do not make a valid config)
     return m
+
+
+class _Walk(NamedTuple):
+    """What the key walk reads for one input: the keys, the table that maps them, where a DeepSpeed config's
+    offload sections are (read before the walk), notes for the report, and the Trainer's extras."""
+
+    data: dict[str, Any]
+    table: dict[str, Rule]
+    offload_keys: OffloadKeys | None
+    notes: list[str]
+    trainer: TrainerInput | None
+
+
+def _prepare(source: str, path: str | Path, data: dict[str, Any], fsdp_option: str | None) -> _Walk:
+    """The HF Trainer's TrainingArguments and Accelerate's DeepSpeed plugin are walked with tables of their own
+    (``hf_trainer``, ``accelerate_deepspeed``); every other input as it is."""
+    if source == "hf-trainer":
+        trainer = prepare_trainer(path, data, fsdp_option)
+        return _Walk(trainer.data, trainer.table, trainer.offload_keys, trainer.notes, trainer)
+    if source == "accelerate" and data.get("distributed_type") == "DEEPSPEED":
+        plugin, keys, notes = prepare_plugin(path, data)
+        return _Walk(plugin, ACCELERATE_DEEPSPEED, keys, notes, None)
+    return _Walk(data, TABLES[source], deepspeed_keys() if source == "deepspeed" else None, [], None)
 
 
 # keys that name the groups go first (a default block rule is added only when none does, and checkpointing
@@ -154,9 +182,8 @@ def _phase(key: str) -> int:
     return 0 if key.endswith(_WRAP_KEYS) else 2 if key.endswith(_LATE_KEYS) else 1
 
 
-def _map_key(m: Migration, key: str, value: Any) -> KeyReport:
+def _map_key(m: Migration, table: dict[str, Rule], key: str, value: Any) -> KeyReport:
     """One input key's report row, running its handler (which writes fsdp2lite keys into ``m``)."""
-    table = TABLES[m.source]
     rule = _rule_for(table, key)
     shown = json.dumps(value) if not isinstance(value, str) else value
     if rule is None:
@@ -175,11 +202,10 @@ def _map_key(m: Migration, key: str, value: Any) -> KeyReport:
 
 def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:
     """The file must look like the tool's own config, or the report would be all 'unknown'."""
-    if source == "accelerate" and data.get("distributed_type") not in ("FSDP", None):
-        deepspeed = data.get("distributed_type") == "DEEPSPEED"
-        hint = " (a DeepSpeed setup: migrate its JSON config with --from deepspeed)" if deepspeed else ""
+    if source == "accelerate" and data.get("distributed_type") not in ("FSDP", "DEEPSPEED", None):
         raise MigrationError(
-            f"{path}: distributed_type is {data.get('distributed_type')!r}; only FSDP setups migrate{hint}"
+            f"{path}: distributed_type is {data.get('distributed_type')!r}; only FSDP and DEEPSPEED (the DeepSpeed "
+            "plugin) setups migrate"
         )
     expected = {
         "accelerate": ("distributed_type", "fsdp_config"),
@@ -192,7 +218,7 @@ def _check_format(source: str, path: str | Path, data: dict[str, Any]) -> None:
             "megatron_fsdp",
             "use_megatron_fsdp",
         ),
-        "hf-trainer": tuple(k for k in HF_TRAINER),
+        "hf-trainer": (*TRAINER_KEYS, *HF_TRAINER),
     }[source]
     if not any(key in data for key in expected):
         raise MigrationError(

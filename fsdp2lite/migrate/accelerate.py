@@ -248,11 +248,12 @@ def _accelerate_mixed(m: Migration, value: Any) -> str:
     return f"mixed_precision: param_dtype {dtype}, reduce_dtype fp32"
 
 
-def hf_option(m: Migration, option: str) -> list[KeyReport]:
-    """The Trainer's ``--fsdp "full_shard auto_wrap offload"`` words."""
+def hf_option(m: Migration, option: str, label: str = "--fsdp") -> list[KeyReport]:
+    """The Trainer's ``--fsdp "full_shard auto_wrap offload"`` words (``label``: where they came from, the
+    command line or the TrainingArguments' ``fsdp``)."""
     reports = []
     for word in option.split():
-        key = f"--fsdp {word}"
+        key = f"{label} {word}"
         if word in ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard"):
             reports.append(KeyReport(key, word, "mapped", _strategy(m, word.upper(), key)))
         elif word == "offload":

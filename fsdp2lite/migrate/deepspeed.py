@@ -11,18 +11,24 @@ from .common import DTYPES, LOOP_SETTING, Handler, Migration, MigrationError, Ru
 from .deepspeed_offload import OFFLOAD_RULES
 
 
-def _ds_stage(m: Migration, value: Any) -> str:
-    if value == 0:
-        raise MigrationError(
-            f"{m.path}: ZeRO stage 0 shards nothing (data parallelism): use DDP; stages 1-3 map to fsdp2lite"
-        )
-    if value not in (1, 2, 3):
-        raise MigrationError(f"{m.path}: zero_optimization.stage must be 0-3, got {value!r}")
-    if value == 3:
-        set_key(m, "reshard_after_forward", True, "zero_optimization.stage")
-        return "reshard_after_forward: true (stage 3: parameters sharded and gathered per use)"
-    set_key(m, "zero_stage", value, "zero_optimization.stage")
-    return f"zero_stage: {value} (parameters resident between steps; gradients and optimizer state sharded)"
+def stage_key(key: str) -> Handler:
+    """ZeRO's stage under ``key`` (DeepSpeed's ``zero_optimization.stage``, Accelerate's ``zero_stage``)."""
+
+    def handle(m: Migration, value: Any) -> str:
+        stage = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+        if stage == 0:
+            raise MigrationError(
+                f"{m.path}: ZeRO stage 0 shards nothing (data parallelism): use DDP; stages 1-3 map to fsdp2lite"
+            )
+        if stage not in (1, 2, 3) or isinstance(stage, bool):
+            raise MigrationError(f"{m.path}: {key} must be 0-3, got {value!r}")
+        if stage == 3:
+            set_key(m, "reshard_after_forward", True, key)
+            return "reshard_after_forward: true (stage 3: parameters sharded and gathered per use)"
+        set_key(m, "zero_stage", stage, key)
+        return f"zero_stage: {stage} (parameters resident between steps; gradients and optimizer state sharded)"
+
+    return handle
 
 
 def _ds_hpz(m: Migration, value: Any) -> str:
@@ -90,7 +96,7 @@ def _ds_comm_dtype(m: Migration, value: Any) -> str:
 
 _BUCKETS = "bucket and buffer sizes: fsdp2lite reduces one flat buffer per group, sized by the group"
 DEEPSPEED: dict[str, Rule] = {
-    "zero_optimization.stage": _ds_stage,
+    "zero_optimization.stage": stage_key("zero_optimization.stage"),
     **OFFLOAD_RULES,
     "zero_optimization.zero_hpz_partition_size": _ds_hpz,
     "zero_optimization.mics_shard_size": _ds_mics,

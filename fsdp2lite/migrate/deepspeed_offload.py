@@ -114,7 +114,8 @@ def read_offload(path: str, flat: dict[str, Any], keys: OffloadKeys) -> OffloadA
     old_pin = _bool(path, flat, keys.deprecated_pin) if keys.deprecated_pin else None
     stage = flat.get(keys.stage, keys.default_stage)
     asked = OffloadAsked(
-        *(_read_section(path, flat, keys, s, old_pin) for s in SECTIONS),
+        optimizer=_read_section(path, flat, keys, "optimizer", old_pin),
+        param=_read_section(path, flat, keys, "param", old_pin),
         stage=int(stage) if isinstance(stage, str) and stage.strip().isdigit() else stage,
     )
     for section in SECTIONS:
