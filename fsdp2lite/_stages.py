@@ -4,7 +4,8 @@ optimizer steps (``CPUOffloadPolicy(optimizer_only=True)``).
 ``ShardingPolicy(shard=...)`` picks the shard axis's stage (``params``: ZeRO-3, ``optimizer``: ZeRO-1/2, a
 resident group, [Note: resident groups]); ``ShardingPolicy(replicate=...)`` the replicate axis's (``none``:
 HSDP, ``optimizer``: HFSDP, a replica-sharded group, [Note: replica-sharded groups]). ``optimizer_only``
-offload keeps the shards on the device and the masters on the host ([Note: host masters]). Every check here
+offload keeps the shards on the device and the masters on the host ([Note: host masters]); ``optimizer="nvme"``
+keeps the optimizer state in files between steps ([Note: optimizer state on NVMe]). Every check here
 runs before anything is sharded and names the value, the parameter or the mesh, and what would be valid.
 """
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ._runtime.extension import has_extension
 from ._runtime.host_masters import HostMasterParam, make_host_masters
+from ._runtime.nvme import check_nvme_path, make_nvme_state
 from ._runtime.param import FSDPParam, ParamPolicy
 from ._runtime.replicas import ReplicaShardedParam, make_replica_sharded
 from ._runtime.zero import make_resident
@@ -46,6 +48,8 @@ def check_parameters(
 ) -> None:
     """Parameters and mesh a non-default ``sharding`` (or host masters) can take: ValueError naming what cannot."""
     hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
+    if policy.nvme_path is not None:
+        check_nvme_path(policy.nvme_path, "CPUOffloadPolicy(optimizer='nvme')")
     if policy.host_masters:
         if hooked:
             raise ValueError(
@@ -102,6 +106,8 @@ def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> No
     """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
     if any(isinstance(param, HostMasterParam) for param in group.params):
         make_host_masters(group)
+    if group.params[0].policy.nvme_path is not None:
+        make_nvme_state(group)  # [Note: optimizer state on NVMe]
     if sharding is None:
         return
     if sharding.resident:

@@ -349,8 +349,14 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
         )
         pin = False
     host_masters = offload and offload_policy.optimizer_only  # type: ignore[attr-defined]
+    nvme = offload and offload_policy.optimizer == "nvme"  # type: ignore[attr-defined]
     return ParamPolicy(
-        mp_policy.param_dtype, mp_policy.reduce_dtype, offload and not host_masters, pin, host_masters=host_masters
+        mp_policy.param_dtype,
+        mp_policy.reduce_dtype,
+        offload and not host_masters,
+        pin,
+        host_masters=host_masters,
+        nvme_path=offload_policy.nvme_path if nvme else None,  # type: ignore[attr-defined]
     )
 
 

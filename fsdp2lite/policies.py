@@ -128,10 +128,29 @@ class CPUOffloadPolicy(OffloadPolicy):
         False,
         description="ZeRO-Offload: shards stay on the device; masters, gradients and optimizer state on the host",
     )
+    optimizer: Literal["cpu", "nvme"] = Field(
+        "cpu",
+        description="where the optimizer state lives between steps: cpu (host memory) or nvme (one file per rank "
+        "under nvme_path, streamed through the host group by group at each step; ZeRO-Infinity's shape)",
+    )
+    nvme_path: str | None = Field(
+        None, description="with optimizer: nvme, the directory (on a fast local disk) that holds the state files"
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``pin_memory`` by keyword or positionally, as torch's dataclass."""
         super().__init__(**_positional("CPUOffloadPolicy", ("pin_memory",), args, kwargs))
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> CPUOffloadPolicy:
+        if self.optimizer == "nvme" and not (self.nvme_path or "").strip():
+            raise ValueError("optimizer='nvme' keeps the optimizer state in files: give nvme_path (a directory)")
+        if self.optimizer == "cpu" and self.nvme_path is not None:
+            raise ValueError(
+                f"nvme_path={self.nvme_path!r} is only read with optimizer='nvme' (the state stays in host memory "
+                "with optimizer='cpu'): set optimizer='nvme' or drop nvme_path"
+            )
+        return self
 
 
 class CommPolicy(BaseModel):

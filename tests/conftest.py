@@ -28,6 +28,7 @@ OLDEST_TORCH = (
     "test_hfsdp.py",
     "test_host_masters.py",
     "test_host_step.py",
+    "test_nvme.py",
 )
 # ... less these, the slowest (the run on the newest torch keeps them): simulate against 3 real ranks (about a
 # minute) and analytic against simulate on the GPT (half a minute; the plain-parameter model's case stays).

@@ -63,6 +63,7 @@ class ParamPolicy:
     offload_to_cpu: bool  # sharded parameters and gradients live on CPU
     pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
     host_masters: bool = False  # optimizer_only: shards on the device, masters on the host ([Note: host masters])
+    nvme_path: str | None = None  # optimizer state in files there between steps ([Note: optimizer state on NVMe])
 
 
 # [Note: frozen]

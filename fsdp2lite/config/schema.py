@@ -93,6 +93,12 @@ class OffloadConfig(BaseModel):
         description="with device: cpu, ZeRO-Offload's shape: shards stay on the device, fp32 masters, "
         "gradients and optimizer state live and step on the host",
     )
+    optimizer: Literal["cpu", "nvme"] = Field(
+        "cpu",
+        description="with device: cpu, where the optimizer state lives between steps: cpu (host memory) or nvme "
+        "(one file per rank under nvme_path, streamed group by group at each step)",
+    )
+    nvme_path: str | None = Field(None, description="with optimizer: nvme, the directory that holds the state files")
     budget: str | None = Field(
         None,
         description="top level only, with device: none: device memory per rank (e.g. 20GiB); the planner "
@@ -114,7 +120,12 @@ class OffloadConfig(BaseModel):
     def to_policy(self) -> OffloadPolicy:
         if self.device != "cpu":
             return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=self.pin_memory, optimizer_only=self.optimizer_only)
+        return CPUOffloadPolicy(
+            pin_memory=self.pin_memory,
+            optimizer_only=self.optimizer_only,
+            optimizer=self.optimizer,
+            nvme_path=self.nvme_path,
+        )
 
     @model_validator(mode="after")
     def _optimizer_only_needs_cpu(self) -> OffloadConfig:
@@ -130,6 +141,21 @@ class OffloadConfig(BaseModel):
                 f"optimizer_only: true moves the optimizer to the host, but device is {self.device!r}: "
                 "set device: cpu with it (or drop optimizer_only)"
             )
+        if self.optimizer == "nvme" and self.device != "cpu":
+            raise ValueError(
+                f"optimizer: nvme streams the optimizer state through the host, but device is {self.device!r}: "
+                "set device: cpu with it (optimizer_only: true keeps the shards on the device)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadConfig:
+        if self.optimizer == "nvme" and not (self.nvme_path or "").strip():
+            raise ValueError("optimizer: nvme keeps the optimizer state in files: give nvme_path (a directory)")
+        if self.optimizer == "cpu" and self.nvme_path is not None:
+            raise ValueError(
+                f"nvme_path: {self.nvme_path} is only read with optimizer: nvme: set it, or drop nvme_path"
+            )
         return self
 
     @model_validator(mode="before")
@@ -138,7 +164,13 @@ class OffloadConfig(BaseModel):
         """An offload policy object (fsdp2lite's or torch's) where the config's offload section goes."""
         policy = from_torch_policy(value)
         if isinstance(policy, CPUOffloadPolicy):
-            return {"device": "cpu", "pin_memory": policy.pin_memory, "optimizer_only": policy.optimizer_only}
+            return {
+                "device": "cpu",
+                "pin_memory": policy.pin_memory,
+                "optimizer_only": policy.optimizer_only,
+                "optimizer": policy.optimizer,
+                "nvme_path": policy.nvme_path,
+            }
         if isinstance(policy, OffloadPolicy):
             return {"device": "none"}
         return value
