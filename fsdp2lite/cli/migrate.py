@@ -2,6 +2,8 @@
 
     fsdp2lite migrate --from deepspeed ds_config.json -o fsdp2lite.yaml --model path/to/hf_model_dir
     fsdp2lite migrate --from hf-trainer fsdp_config.json --fsdp "full_shard auto_wrap" --json
+    fsdp2lite migrate --from hf-trainer training_args.json     # TrainingArguments: fsdp, fsdp_config, deepspeed
+    fsdp2lite migrate --from accelerate accelerate_deepspeed.yaml   # distributed_type: DEEPSPEED (the plugin)
     fsdp2lite migrate --from megatron-fsdp megatron_fsdp.yaml
 
 Every input key gets a row: mapped (to what), dropped (no equivalent in FSDP2-style sharding, and
@@ -25,9 +27,9 @@ from ..migrate import SOURCES, Migration, MigrationError, migrate
 from ._args import positive_int
 
 DESCRIPTION = (
-    "Turn an Accelerate FSDP config, HF Trainer fsdp_config, DeepSpeed ZeRO config, torchtitan TOML or Megatron-FSDP "
-    "config (YAML/JSON) into an fsdp2lite policy file, with a report of what maps, what is dropped and why, and what "
-    "is not supported."
+    "Turn an Accelerate FSDP or DeepSpeed-plugin config, HF Trainer fsdp_config or TrainingArguments (fsdp, "
+    "fsdp_config, deepspeed), DeepSpeed ZeRO config, torchtitan TOML or Megatron-FSDP config (YAML/JSON) into an "
+    "fsdp2lite policy file, with a report of what maps, what is dropped and why, and what is not supported."
 )
 STYLES = {"mapped": "green", "dropped": "dim", "unsupported": "yellow", "unknown": "bold red"}
 
@@ -36,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", choices=SOURCES, required=True, help="the tool the input is for")
     parser.add_argument("input", metavar="IN", help="the tool's config file (YAML, JSON or TOML)")
     parser.add_argument("-o", "--output", metavar="OUT.yaml", help="write the policy file here (default: stdout)")
-    parser.add_argument("--fsdp", metavar="OPTIONS", help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap"')
+    parser.add_argument(
+        "--fsdp",
+        metavar="OPTIONS",
+        help='hf-trainer: the --fsdp string, e.g. "full_shard auto_wrap offload" (a TrainingArguments file may '
+        "hold it as fsdp instead)",
+    )
     parser.add_argument("--world-size", type=positive_int, help="deepspeed MiCS: the job's world size")
     parser.add_argument(
         "--model",

@@ -15,6 +15,10 @@ When no key names the layer class (a DeepSpeed config, Accelerate without
 ``fsdp_transformer_layer_cls_to_wrap``), the config still gets one group per repeated block
 (``blocks.add_default_blocks``): ``--model``'s own, else the Hugging Face decoder layers of
 ``configs/hf_causal_lm.yaml``; ``Migration.notes`` says which.
+
+Two inputs hold another tool's config: the HF Trainer's TrainingArguments (``deepspeed``: ``hf_trainer``) and
+Accelerate's DeepSpeed plugin (``accelerate_deepspeed``); ``_prepare`` picks the table each is walked with, and
+their DeepSpeed offload sections map as ``--from deepspeed`` maps them (``deepspeed_offload``).
 """
 
 from __future__ import annotations

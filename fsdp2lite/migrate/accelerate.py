@@ -1,4 +1,6 @@
-"""Accelerate configs (YAML, FSDP1 and FSDP2 keys) and the HF Trainer's ``fsdp_config`` plus its ``--fsdp`` words."""
+"""Accelerate configs (YAML, FSDP1 and FSDP2 keys) and the HF Trainer's ``fsdp_config`` plus its ``--fsdp`` words.
+
+Accelerate's DeepSpeed plugin is ``accelerate_deepspeed``; the Trainer's TrainingArguments are ``hf_trainer``."""
 
 from __future__ import annotations
 
