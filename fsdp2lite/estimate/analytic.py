@@ -30,7 +30,8 @@ Full training has R_g = R and B_g = B. The largest is the estimate; the notes na
 With CPU offload, the offloaded groups' shards, sharded gradients and optimizer state leave the device
 and are counted as ``host_bytes`` (``optimizer_only``: the shards stay, a master copy of them goes):
 shards and each group's gradient buffer at the pinned allocator's
-power-of-two block sizes (``finetune.pinned_nbytes``), the optimizer state at its size.
+power-of-two block sizes (``finetune.pinned_nbytes``; a CUDA target only), the optimizer state at its size;
+``optimizer: nvme`` groups' state in files instead, through two staging buffers ([Note: host bytes]).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .common import (
     token_spec,
 )
 from .finetune import Finetune, PlannedLora, nf4_bytes, pinned_nbytes
+from .host import FILE_ALIGN, SLOT_ALIGN, HostBytes, host_bytes, host_note
 from .reserved import from_ratio
 
 
@@ -85,7 +87,7 @@ def analytic_estimate(
     replicate, shard = config.mesh.resolve(world_size)
     plan = plan_config(model, config)
     nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
-    terms, host, share = _memory_terms(plan, (replicate, shard), nf4, optimizer, device)
+    terms, host = _memory_terms(plan, (replicate, shard), nf4, optimizer, device)
     terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())
     checkpointed = [path for group in plan.groups if group.policy.activation_checkpointing for path in group.paths]
     terms["A_r"] = 0  # a checkpointed module's activations, recomputed in its backward
@@ -102,18 +104,15 @@ def analytic_estimate(
     )
     if finetune.adapters:
         notes = (*notes, _finetune_note(finetune, plan, nf4))
-    if share:
-        notes = (
-            *notes,
-            f"CPU offload: {share:.0%} of the shards, their gradients and optimizer state on the host ({host:,} bytes, "
-            "pinned blocks at the pinned allocator's power-of-two sizes)",
-        )
+    if host.pinned:
+        notes = (*notes, host_note(host))
     phase = name.split(" ")[0]
     reserved = from_ratio(peak, phase) if device == "cuda" else None
     if reserved is not None:
         notes = (*notes, f"reserved: {reserved.ratio:.2f} x the peak (a rough ratio; simulate replays the step)")
     return MemoryEstimate(
-        world_size, rank, peak, phase, None, _breakdown(name, terms), "analytic", device, notes, host_bytes=host,
+        world_size, rank, peak, phase, None, _breakdown(name, terms), "analytic", device, notes,
+        host_bytes=host.pinned, host_exact_bytes=host.exact, nvme_bytes=host.nvme,
         finetune=finetune.kind, reserved_bytes=reserved.reserved_bytes if reserved else 0,
         reserved_expandable_bytes=reserved.expandable_bytes if reserved else 0,
     )  # fmt: skip
@@ -121,14 +120,13 @@ def analytic_estimate(
 
 def _memory_terms(
     plan: Plan, degrees: tuple[int, int], nf4: set[str], optimizer: str, device: str
-) -> tuple[dict[str, int], int, float]:
-    """(the terms but activations, host bytes with CPU offload, the offloaded share of the shards).
+) -> tuple[dict[str, int], HostBytes]:
+    """(the terms but activations, host memory and NVMe bytes with CPU offload: [Note: host bytes]).
     ``degrees``: (replicate, shard); an HFSDP group's S_t (its gradients' and optimizer state's shards) is
     split across the replicas too: 1/replicate of its shards' (exact for rows divisible by the world size)."""
     replicate, shard = degrees
-    groups = group_bytes(plan, shard, nf4)
-    split = [replicate if group.policy.sharding.replica_sharded else 1 for group in plan.groups]
-    trained = [g.trainable // ways for g, ways in zip(groups, split)]
+    groups = group_bytes(plan, shard, nf4, pinned=device == "cuda")
+    trained = trained_bytes(plan, groups, replicate)
     ignored = sum(p.numel() * p.element_size() for p in plan.ignored.values())
     ignored_trainable = sum(p.numel() * p.element_size() for p in plan.ignored.values() if p.requires_grad)
     terms = {"S": sum(g.sharded for g in groups) + ignored}
@@ -151,16 +149,15 @@ def _memory_terms(
     )
     terms["T"] = trainable if device == "cuda" else 2 * largest  # foreach on CUDA, per tensor on CPU
     on_host = [group.policy.offload.device == "cpu" for group in plan.groups]
-    offloaded = [g for g, host in zip(groups, on_host) if host]
     moved = [g for g, p, host in zip(groups, plan.groups, on_host) if host and not p.policy.offload.optimizer_only]
     share = sum(g.sharded for g in moved) / terms["S"] if terms["S"] else 0.0  # optimizer_only keeps its shards
     share_t = sum(t for t, host in zip(trained, on_host) if host) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
-    host = sum(g.pinned for g in offloaded) + int(terms["O"] * share_t)  # pinned shards and grads, pageable state
+    host = host_bytes(plan, groups, trained, int(terms["O"] * share_t), optimizer, device == "cuda")
     terms["S"] = int(terms["S"] * (1 - share))  # what stays on the device
     for key in ("O", "T", "S_t"):
         terms[key] = int(terms[key] * (1 - share_t))
-    return terms, host, share
+    return terms, host
 
 
 def _finetune_note(finetune: Finetune, plan: Plan, nf4: set[str]) -> str:
@@ -233,16 +230,26 @@ class GroupBytes:
     reduced: int  # the reduce-scatter input: trainable parameters' gradients in reduce_dtype
     dequantized: int  # its largest NF4 weight in the compute dtype (qlora's transient per matmul)
     pinned: int  # with CPU offload: its host shards and gradient buffer as the (pinned) allocator sizes them
+    host_exact: int = 0  # the same at the sizes asked for ([Note: host bytes])
+    state_file: int = 0  # optimizer: nvme: one state tensor per trainable shard, as its file lays them out
+    state_slot: int = 0  # the same as a staging slot lays them out
 
 
-def group_bytes(plan: Plan, shard: int, nf4: set[str] = frozenset()) -> list[GroupBytes]:  # type: ignore[assignment]
-    """Per group, its ``GroupBytes``; ``nf4``: parameter paths stored in NF4 (qlora's adapted base weights)."""
+def group_bytes(
+    plan: Plan,
+    shard: int,
+    nf4: set[str] = frozenset(),  # type: ignore[assignment]
+    pinned: bool = True,
+) -> list[GroupBytes]:
+    """Per group, its ``GroupBytes``; ``nf4``: parameter paths stored in NF4 (qlora's adapted base weights);
+    ``pinned``: a CUDA target, where ``pin_memory`` pins (a CPU target's host memory is pageable)."""
     out = []
     for group, params in zip(plan.groups, plan.params):
         policy = group.policy.mixed_precision
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
-        sharded = trainable = unsharded = grads = reduced = dequantized = pinned = grad_shards = 0
-        pin = pinned_nbytes if group.policy.offload.pin_memory else int  # pageable host memory: exact
+        sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
+        pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
+        requests = []  # host buffers asked for: one per shard (optimizer_only: per trainable one), one for grads
         for name, p in params.items():
             dim = plan.shard_dims.get(name, 0)
             padded = _padded_numel(p, shard, dim)  # all-gather layout
@@ -255,15 +262,32 @@ def group_bytes(plan: Plan, shard: int, nf4: set[str] = frozenset()) -> list[Gro
             sharded += stored
             unsharded += gathered
             if p.requires_grad or not group.policy.offload.optimizer_only:  # optimizer_only: masters of trainables
-                pinned += pin(stored)
+                requests.append(stored)
             if p.requires_grad:
                 trainable += stored
                 grad_shards += stored
+                file_bytes += _align(stored, FILE_ALIGN)  # optimizer: nvme: a state tensor's region in the file
+                slot_bytes += _align(stored, SLOT_ALIGN)  # and in a staging slot
                 grads += compute
                 reduced += padded * element_size(cast_dtype(p, reduce_dtype))
-        pinned += pin(grad_shards)  # the group's host gradient buffer, one request per step
-        out.append(GroupBytes(sharded, trainable, unsharded, grads, reduced, dequantized, pinned))
+        requests.append(grad_shards)  # the group's host gradient buffer, one request per step
+        pinned_sum, exact = sum(pin(n) for n in requests), sum(requests)
+        out.append(
+            GroupBytes(
+                sharded, trainable, unsharded, grads, reduced, dequantized, pinned_sum, exact, file_bytes, slot_bytes
+            )
+        )
     return out
+
+
+def _align(nbytes: int, to: int) -> int:
+    return -(-nbytes // to) * to
+
+
+def trained_bytes(plan: Plan, groups: list[GroupBytes], replicate: int) -> list[int]:
+    """Per group, its trainable shards' bytes on a rank: an HFSDP group's split across the replicas."""
+    split = [replicate if group.policy.sharding.replica_sharded else 1 for group in plan.groups]
+    return [g.trainable // ways for g, ways in zip(groups, split)]
 
 
 def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:

@@ -37,6 +37,8 @@ class MemoryEstimate:
     finetune: str = "full"  # what is trained: full, lora or qlora (estimate.finetune)
     reserved_bytes: int = 0  # target cuda: what the caching allocator reserves at the peak (estimate.reserved)
     reserved_expandable_bytes: int = 0  # the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    host_exact_bytes: int = 0  # host_bytes at the sizes asked for, before the pinned allocator rounds them
+    nvme_bytes: int = 0  # with optimizer: nvme, the optimizer state in files; read and written once per step
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON record (``fsdp2lite estimate --json``)."""

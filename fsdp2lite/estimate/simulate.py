@@ -32,7 +32,7 @@ import torch.nn as nn
 from ..config import FSDPConfig, Plan, apply_config, plan_config
 from ..mesh import init_mesh
 from .allocator import AllocatorPeak
-from .analytic import GroupBytes, group_bytes, nf4_paths
+from .analytic import GroupBytes, group_bytes, nf4_paths, trained_bytes
 from .common import (
     MemoryEstimate,
     default_config,
@@ -44,6 +44,7 @@ from .common import (
     step_loss,
 )
 from .finetune import Finetune
+from .host import host_bytes, host_note, on_host_optimizer
 from .reserved import AllocationRecorder, from_replay, streams_tagged
 
 _SCHEDULE_SETTERS = (
@@ -77,14 +78,14 @@ def simulate_estimate(
         with fake:
             model = materialized(model_fn())
         config = config or default_config(model)
-        _, shard = config.mesh.resolve(world_size)
+        replicate, shard = config.mesh.resolve(world_size)
         plan = plan_config(model, config)
         nf4 = nf4_paths(model) if finetune is not None and finetune.kind == "qlora" else set()
-        groups = group_bytes(plan, shard, nf4)
-        bf16 = group_bytes(plan, shard) if nf4 else groups
+        groups = group_bytes(plan, shard, nf4, pinned=device == "cuda")
+        bf16 = group_bytes(plan, shard, pinned=device == "cuda") if nf4 else groups
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type="cpu")  # not fake
         with fake:
-            apply_config(model, config, mesh)
+            apply_config(model, on_host_optimizer(config), mesh)  # NVMe: counted from the plan ([Note: host bytes])
             target_device_settings(model, config, device)
             opt = make_optimizer(optimizer, model, device)
             inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
@@ -94,7 +95,8 @@ def simulate_estimate(
             estimate, replays = _measure(phases, model, opt, world_size, rank, device)
     finally:
         dist.destroy_process_group()
-    estimate = _planned(estimate, plan, groups, bf16, finetune)
+    trained = trained_bytes(plan, groups, replicate)
+    estimate = _planned(estimate, plan, (groups, bf16, trained), finetune, optimizer)
     if replays is None:
         return estimate
     reserved = from_replay(estimate.peak_bytes, *replays)
@@ -105,12 +107,15 @@ def simulate_estimate(
 def _planned(
     estimate: MemoryEstimate,
     plan: Plan,
-    groups: list[GroupBytes],
-    bf16: list[GroupBytes],
+    bytes_of: tuple[list[GroupBytes], list[GroupBytes], list[int]],
     finetune: Finetune | None,
+    optimizer: str,
 ) -> MemoryEstimate:
     """The measured estimate with what the plan knows better: NF4's bytes for qlora ([Note: qlora
-    simulated]) and the host side of CPU offload at the pinned allocator's sizes."""
+    simulated]) and the host side of CPU offload at the pinned allocator's sizes, NVMe's files and staging
+    buffers included ([Note: host bytes]). ``bytes_of``: per group, its bytes (NF4 counted), the same with
+    the NF4 weights in bf16, and its trainable shards' bytes."""
+    groups, bf16, trained = bytes_of
     breakdown = dict(estimate.breakdown)
     offloaded = [index for index, group in enumerate(plan.groups) if group.policy.offload.device == "cpu"]
     if groups is not bf16:
@@ -120,10 +125,8 @@ def _planned(
             ratio = sum(g.unsharded for g in groups) / max(1, sum(g.unsharded for g in bf16))
             breakdown["unsharded_params"] = int(breakdown["unsharded_params"] * ratio)
             breakdown["unsharded_params"] += max(g.dequantized for g in groups)
-    host = 0
-    if offloaded:
-        host = sum(groups[i].pinned for i in offloaded) + estimate.host_bytes  # + the optimizer state moved
-    notes = estimate.notes
+    host = host_bytes(plan, groups, trained, estimate.host_bytes, optimizer, estimate.device == "cuda")
+    notes = estimate.notes + ((host_note(host),) if host.pinned else ())
     if finetune is not None and finetune.adapters:
         notes = (*notes, f"{finetune.label()}: the frozen base has no gradients or optimizer state")
         if groups is not bf16:
@@ -132,7 +135,9 @@ def _planned(
         estimate,
         peak_bytes=sum(breakdown.values()),
         breakdown=breakdown,
-        host_bytes=host,
+        host_bytes=host.pinned,
+        host_exact_bytes=host.exact,
+        nvme_bytes=host.nvme,
         notes=notes,
         finetune=finetune.kind if finetune is not None else "full",
     )

@@ -20,11 +20,13 @@ The model (docs/estimate.md, "Step time", checks it against two published runs):
         (ring all-gather and reduce-scatter: each rank sends n - 1 of its n chunks)
     h2d_s = host_bytes / host link bandwidth   (offloaded shards copied in at each all-gather, their
                                                 sharded gradients copied out)
+    nvme_s = nvme_bytes / NVMe bandwidth        (optimizer: nvme: the state read and written once per step,
+                                                at the host optimizer step: not overlapped with compute)
     exposed_comm_s = max(0, comm_s + h2d_s - overlap * compute_s)
         FSDP prefetches the next group's all-gather and reduce-scatters the last one's gradients while a
         group computes; ``overlap`` (default 0.9, an assumption, not a measurement) is the share of compute
         that can hide transfers: the first all-gather and the last reduce-scatter of a step wait on nothing.
-    step_s = compute_s + exposed_comm_s;  tokens_per_s = world_size * tokens_per_gpu / step_s (the job's)
+    step_s = compute_s + exposed_comm_s + nvme_s;  tokens_per_s = world_size * tokens_per_gpu / step_s (the job's)
 
 GPU peaks are the vendors' dense (no sparsity) BF16 tensor-core figures with FP32 accumulation:
     h100, h200  989 TFLOP/s   NVIDIA H100 / H200 SXM datasheets (1,979 "with sparsity")
@@ -41,6 +43,8 @@ Link bandwidths are what NCCL's bus bandwidth reaches, not the signalling rate:
     nvlink4  370 GB/s  nccl-tests all-gather bus bandwidth on 8 x H100 SXM (NVLink 4 is 450 GB/s each way)
     ib200    25 GB/s   200 Gb/s InfiniBand HDR, one NIC per GPU
     eth100   12 GB/s   100 Gb/s Ethernet (RoCE)
+NVMe: ``NVME_GB_PER_S`` = 5 GB/s per machine, one PCIe 4.0 x4 SSD's sequential read and write
+(vendors quote 6-7 GB/s; sustained writes run lower), shared by the ranks of a machine.
 The per-collective latencies are rough (tens of microseconds); they matter only for many small groups.
 """
 
@@ -59,8 +63,10 @@ from ..config import Plan
 from ..policies import cast_dtype
 from .common import element_size, sharded_nbytes
 from .finetune import NF4_BITS
+from .host import STATE_TENSORS
 
 NF4_BYTES = NF4_BITS / 8  # bytes per weight of an NF4 tensor
+NVME_GB_PER_S = 5.0  # one machine's NVMe drive, read and write (module docstring)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class CommBytes:
     reduce_scatter: int  # bytes: trainable parameters' gradients, in the reduce encoding
     collectives: int  # collectives per step (each pays the link's latency)
     host_bytes: int  # bytes over the host link: offloaded shards in at each gather, their grads out
+    nvme_bytes: int = 0  # optimizer: nvme: the state read plus the state written, per step
 
     @property
     def total(self) -> int:
@@ -127,8 +134,9 @@ class StepTime:
     comm_s: float  # collectives, if nothing overlapped them
     exposed_comm_s: float  # collectives and host copies left after overlap with compute
     h2d_s: float  # host copies of offloaded shards (and their gradients back), if nothing overlapped them
-    step_s: float  # compute_s + exposed_comm_s
+    step_s: float  # compute_s + exposed_comm_s + nvme_s
     tokens_per_s: float  # world_size * tokens_per_gpu / step_s
+    nvme_s: float = 0.0  # optimizer: nvme: the state read and written at the host step, not overlapped
 
 
 def find_link(name: str | Link) -> Link:
@@ -181,9 +189,11 @@ def step_time(
     attention_flops_per_token: float = 0.0,
     host_link: str | Link = "pcie4",
     overlap: float = 0.9,
+    nvme_gb_per_s: float = NVME_GB_PER_S,
 ) -> StepTime:
     """One step's time (module docstring). ``trainable_params``: the adapters for lora/qlora (full
-    trains all ``params``); ``comm``: from ``comm_bytes`` (None: no collectives, e.g. world size 1)."""
+    trains all ``params``); ``comm``: from ``comm_bytes`` (None: no collectives, e.g. world size 1);
+    ``nvme_gb_per_s``: this rank's share of its machine's NVMe bandwidth."""
     if world_size < 1 or tokens_per_gpu < 1:
         raise ValueError(f"world_size ({world_size}) and tokens_per_gpu ({tokens_per_gpu}) must be >= 1")
     if not 0.0 <= overlap <= 1.0:
@@ -197,25 +207,29 @@ def step_time(
             comm_s = comm.collectives * wire.latency_us * 1e-6 + comm.sent_per_rank / (wire.gb_per_s * 1e9)
         h2d_s = comm.host_bytes / (host.gb_per_s * 1e9)
     exposed = max(0.0, comm_s + h2d_s - overlap * compute_s)
-    step_s = compute_s + exposed
-    return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, world_size * tokens_per_gpu / step_s)
+    nvme_s = comm.nvme_bytes / (nvme_gb_per_s * 1e9) if comm is not None else 0.0
+    step_s = compute_s + exposed + nvme_s
+    return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, world_size * tokens_per_gpu / step_s, nvme_s)
 
 
-def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | None = None) -> CommBytes:
+def comm_bytes(
+    plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | None = None, optimizer: str = "adamw"
+) -> CommBytes:
     """What one rank's collectives carry per step under ``plan`` at shard degree ``shard``: each group's
     padded all-gather buffer in param_dtype (or its ``communication`` encoding), again in backward where the
     group reshards after forward, and its trainable parameters' reduce-scatter buffer in reduce_dtype.
     ``bytes_per_weight``: parameter path -> bytes per element, overriding the dtype (a QLoRA base in NF4:
-    4.127 / 8). Ignored parameters are never communicated; a replicate axis' all-reduce is not counted."""
+    4.127 / 8). Ignored parameters are never communicated; a replicate axis' all-reduce is not counted.
+    ``optimizer`` sizes an ``optimizer: nvme`` group's state, read and written once per step."""
     overrides = bytes_per_weight or {}
-    forward = backward = reduced = collectives = host = 0
+    forward = backward = reduced = collectives = host = nvme = 0
     last = len(plan.groups) - 1
     for index, (group, params) in enumerate(zip(plan.groups, plan.params)):
         if not params:
             continue
         policy = group.policy
         mp, wire = policy.mixed_precision, policy.communication
-        gather = scatter = stored = reduce_rows = 0
+        gather = scatter = stored = reduce_rows = trained = 0
         for name, param in params.items():
             padded_shard = sharded_nbytes(param, shard, plan.shard_dims.get(name, 0))
             rows = padded_shard // param.element_size()
@@ -224,6 +238,7 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
             gather += _encoded(rows, shard, override, cast_dtype(param, mp.param_dtype), wire.all_gather,
                                wire.block_size)  # fmt: skip
             if param.requires_grad:
+                trained += padded_shard
                 reduce_dtype = cast_dtype(param, mp.reduce_dtype or mp.param_dtype)
                 reduce_rows += rows
                 if wire.reduce_scatter != "int8":
@@ -241,7 +256,9 @@ def comm_bytes(plan: Plan, shard: int, bytes_per_weight: Mapping[str, float] | N
         collectives += 1 + int(regather) + int(scatter > 0)
         if policy.offload.device == "cpu":  # grads out; the stored shard in at each gather (optimizer_only: once)
             host += stored * (1 if policy.offload.optimizer_only else 1 + int(regather)) + scatter // shard
-    return CommBytes(shard, forward, backward, reduced, collectives, host)
+            if policy.offload.optimizer == "nvme":  # the state in, then out
+                nvme += 2 * STATE_TENSORS[optimizer] * trained
+    return CommBytes(shard, forward, backward, reduced, collectives, host, nvme)
 
 
 def _encoded(
@@ -290,15 +307,18 @@ def plan_step_time(
     gpu: str | Gpu,
     finetune: Finetune = "full",
     nf4: Collection[str] = (),
+    optimizer: str = "adamw",
+    nvme_gb_per_s: float = NVME_GB_PER_S,
 ) -> StepTime:
     """``step_time`` of a planned model: its parameters and trainable ones counted from the plan, the
     attention term from its shape (``model_shape``), checkpointing from the groups' policies, and the
-    bytes its collectives carry (``comm_bytes``; ``nf4``: parameter paths sent as NF4)."""
+    bytes its collectives carry (``comm_bytes``; ``nf4``: parameter paths sent as NF4); ``optimizer`` and
+    ``nvme_gb_per_s`` (this rank's share of the drive) time NVMe's optimizer state."""
     params = [p for group in plan.params for p in group.values()] + list(plan.ignored.values())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     checkpointing = any(group.policy.activation_checkpointing for group in plan.groups)
     layers, hidden = model_shape(model)
-    sent = comm_bytes(plan, shard, {name: NF4_BYTES for name in nf4})
+    sent = comm_bytes(plan, shard, {name: NF4_BYTES for name in nf4}, optimizer)
     return step_time(
         params=float(sum(p.numel() for p in params)),
         tokens_per_gpu=tokens_per_gpu,
@@ -310,4 +330,5 @@ def plan_step_time(
         trainable_params=float(trainable),
         checkpointing=checkpointing,
         attention_flops_per_token=attention_flops(layers, hidden, seq),
+        nvme_gb_per_s=nvme_gb_per_s,
     )

@@ -1,0 +1,109 @@
+"""Host memory and NVMe bytes of CPU offload, per rank: what the planner counts for every offload choice.
+
+[Note: host bytes]
+An offloaded group (``offload: {device: cpu}``) keeps on the host, per rank: its shards (``optimizer_only``: a
+master copy of its trainable shards; the shards stay on the device), a host gradient buffer, and its optimizer
+state. fsdp2lite asks the host allocator for one buffer per parameter shard (``_runtime/param.py`` and
+``host_masters.py``, each through ``_runtime/pinned.host_buffer``) and one per group's gradient buffer each step
+(``_runtime/collectives.py``); the optimizer state is made by the optimizer, pageable.
+
+Pinned sizes. With ``pin_memory: true`` on a CUDA target, those buffers come from torch's pinned (caching host)
+allocator, which rounds every request up to the next power of two before ``cudaHostAlloc`` and caches the block
+at that size (``ATen/core/CachingHostAllocator.h``, ``allocate``: ``c10::llvm::PowerOf2Ceil(size)``; on torch
+2.13 only when the request is at most ``pinned_max_round_threshold_mb`` and ``pinned_max_cached_size_mb`` of
+``PYTORCH_ALLOC_CONF``, both unset by default: every request is rounded). A 2.1 GiB shard takes 4 GiB. The
+planner counts each buffer at that size (``host_bytes``) and at the size asked for (``host_exact_bytes``). A CPU
+target, or ``pin_memory: false``, allocates pageable memory: exact.
+
+NVMe. With ``optimizer: nvme`` a group's optimizer state (AdamW: ``exp_avg`` and ``exp_avg_sq``, two tensors of
+its trainable shards' size; SGD: the momentum, one) lives in one preallocated file per rank under ``nvme_path``
+instead of host memory ([Note: optimizer state on NVMe] in ``_runtime/nvme.py``), each tensor at a page
+boundary (``FILE_ALIGN``): ``nvme_bytes``. The host holds instead two staging buffers (``host_buffer``, pinned
+where the group pins), each the largest NVMe group's state with every tensor at ``SLOT_ALIGN``. Each step reads
+and writes the NVMe groups' state once. AdamW's step counters (4 bytes a tensor) stay in host memory. An HFSDP
+group's file is counted at its whole shards (the runtime splits them across the replicas: an upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..config import FSDPConfig, Plan
+from ..config.schema import OffloadConfig
+from .finetune import pinned_nbytes
+
+if TYPE_CHECKING:
+    from .analytic import GroupBytes
+
+STATE_TENSORS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer state tensors the size of a trainable shard
+FILE_ALIGN = 4096  # each state tensor's region in the file starts on a page (_runtime/nvme.py ALIGN)
+SLOT_ALIGN = 64  # each state tensor in a staging slot starts on a cache line (_runtime/nvme.py SLOT_ALIGN)
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """One rank's host memory and NVMe files under CPU offload."""
+
+    pinned: int  # host memory at the pinned allocator's block sizes (= exact where nothing is pinned)
+    exact: int  # host memory at the sizes asked for
+    nvme: int  # optimizer state in files (read and written once per step)
+    staging: int  # of ``pinned``: the two NVMe staging buffers
+
+
+def offloaded_groups(plan: Plan) -> list[int]:
+    """Indices of the planned groups offloaded to the host."""
+    return [index for index, group in enumerate(plan.groups) if group.policy.offload.device == "cpu"]
+
+
+def nvme_groups(plan: Plan) -> list[int]:
+    """Indices of the offloaded groups whose optimizer state lives on NVMe."""
+    return [index for index in offloaded_groups(plan) if plan.groups[index].policy.offload.optimizer == "nvme"]
+
+
+def host_bytes(
+    plan: Plan, groups: list[GroupBytes], trained: list[int], moved_state: int, optimizer: str, pin: bool
+) -> HostBytes:
+    """[Note: host bytes]. Per group: ``groups`` its bytes (host shards and gradient buffer at the allocator's and
+    at the asked-for sizes, its state's file and slot layouts), ``trained`` its trainable shards' bytes on this
+    rank; ``moved_state``: the offloaded groups' optimizer state in host memory (NVMe groups' included);
+    ``pin``: a CUDA target (pinning needs one)."""
+    offloaded, on_nvme = offloaded_groups(plan), nvme_groups(plan)
+    tensors = STATE_TENSORS[optimizer]
+    slot = max((tensors * groups[index].state_slot for index in on_nvme), default=0)
+    pinning = pin and any(plan.groups[index].policy.offload.pin_memory for index in on_nvme)
+    staging = 2 * (pinned_nbytes(slot) if pinning else slot)
+    state = max(0, moved_state - sum(tensors * trained[index] for index in on_nvme))  # what stays in host memory
+    return HostBytes(
+        pinned=sum(groups[index].pinned for index in offloaded) + state + staging,
+        exact=sum(groups[index].host_exact for index in offloaded) + state + 2 * slot,
+        nvme=sum(tensors * groups[index].state_file for index in on_nvme),
+        staging=staging,
+    )
+
+
+def on_host_optimizer(config: FSDPConfig) -> FSDPConfig:
+    """``config`` with every ``optimizer: nvme`` made ``optimizer: cpu``: what ``simulate`` runs (the device holds
+    the same either way, and a planning machine writes no state files); the plan keeps the NVMe placement."""
+
+    def host(offload: OffloadConfig | None) -> OffloadConfig | None:
+        if offload is None or offload.optimizer != "nvme":
+            return offload
+        return offload.model_copy(update={"optimizer": "cpu", "nvme_path": None})
+
+    wrap = [rule.model_copy(update={"offload": host(rule.offload)}) for rule in config.wrap]
+    return config.model_copy(update={"offload": host(config.offload), "wrap": wrap})
+
+
+def host_note(host: HostBytes) -> str:
+    """The estimate's note on what offload puts on the host (and on NVMe)."""
+    text = (
+        f"CPU offload: {host.pinned:,} bytes of host memory per rank at the pinned allocator's power-of-two block "
+        f"sizes ({host.exact:,} as asked for)"
+    )
+    if host.nvme:
+        text += (
+            f"; optimizer state on NVMe: {host.nvme:,} bytes per rank, read and written once per step, through two "
+            f"staging buffers ({host.staging:,} bytes of the host's)"
+        )
+    return text
