@@ -34,6 +34,7 @@ from ..finetune.lora import DEFAULT_TARGETS, targets_problem
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, non_negative_int, positive_int
 from .estimate_search import (
+    DEFAULT_NVME_PATH,
     SearchJob,
     communication_bytes,
     config_for_setting,
@@ -45,6 +46,7 @@ from .estimate_search import (
     write_config,
 )
 from .explain import build_on_meta, human_bytes, load_factory, placement_text
+from .offload_text import host_rows, machine_line, machine_record, nothing_fits, offload_words
 from .validate import problems_table
 
 __all__ = ["communication_bytes", "nearest_rows", "parse_bytes", "run", "add_arguments"]
@@ -106,10 +108,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--link-gbps", type=_positive_float, default=None, help="or its bandwidth in GB/s")
     speed.add_argument("--gpu", default=None, help=f"the GPU: {', '.join(GPUS)} (default h100)")
     speed.add_argument("--tflops", type=_positive_float, default=None, help="or its achieved dense BF16 TFLOP/s")
+    _add_search_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--budget`` and what the search reads: host memory, NVMe path, ranks per machine."""
     search = parser.add_argument_group("budget search")
     search.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="device memory per GPU, e.g. 24GiB")
     search.add_argument(
-        "--host-ram", type=parse_bytes, default=256 * 2**30, metavar="SIZE", help="host memory per machine (256GiB)"
+        "--host-ram",
+        type=parse_bytes,
+        default=256 * 2**30,
+        metavar="SIZE",
+        help="host memory per machine (256GiB): --budget drops settings over it; without, over it is flagged",
+    )
+    search.add_argument(
+        "--nvme-path",
+        default=DEFAULT_NVME_PATH,
+        metavar="DIR",
+        help=f"with --budget: the nvme_path a setting with optimizer state on NVMe writes (default "
+        f"{DEFAULT_NVME_PATH}, a placeholder: a directory on a local NVMe drive)",
     )
     search.add_argument("--write-config", metavar="OUT.yaml", help="with --budget: write the chosen settings")
     search.add_argument("--all", action="store_true", help="with --budget: every setting tried, not the nearest few")
@@ -119,7 +138,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="ranks sharing one machine's host memory (CPU offload per machine; default min(world size, 8))",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
 def _positive_float(text: str) -> float:
@@ -189,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         base = _resolve_budget(args, console, planned_factory(factory, finetune), base, common)
     if args.budget is not None:
         job = SearchJob(
-            factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram
+            factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram, args.nvme_path
         )  # fmt: skip
         return _run_search(args, console, job, base, hardware, model)
     method = args.method or "simulate"
@@ -204,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     job = SearchJob(factory, args.model, common, finetune, False, link, gpu, per_node, args.host_ram)
     speed = setting_time(meta, chosen_config, job, finetune)
     console.print(speed_line(speed, hardware))
-    record.update(_speed_record(speed, estimate, per_node))
+    _show_machine(console, record, (speed, estimate), per_node, args)
     if args.json:
         print(json.dumps(record))
     return 0
@@ -250,8 +268,8 @@ def _run_search(
     record: dict[str, Any] = {"budget": {"bytes": args.budget, "host_ram": args.host_ram, "fits": choice is not None,
                                          "tried": tried}}  # fmt: skip
     if choice is None:
-        console.print(f"[red]nothing tried fits {human_bytes(args.budget)} of device memory and "
-                      f"{human_bytes(args.host_ram)} of host memory per machine[/red]")  # fmt: skip
+        console.print(f"[red]{nothing_fits(tried, args.budget, args.host_ram, job.ranks_per_node)}[/red]",
+                      soft_wrap=True)  # fmt: skip
         if args.json:
             print(json.dumps(record))
         return 1
@@ -260,16 +278,19 @@ def _run_search(
         grown = human_bytes(choice["reserved_expandable_bytes"])
         console.print(f"  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: about {grown} reserved instead")
     record["budget"]["choice"] = choice
+    planned = caches[choice["finetune"] != "full"]["model"]  # the meta model the choice was planned on
+    if choice.get("optimizer_state") == "nvme" and args.nvme_path == DEFAULT_NVME_PATH:
+        console.print(f"  nvme_path {DEFAULT_NVME_PATH} is a placeholder: give --nvme-path a local NVMe directory")
     if args.method == "simulate":  # asked for: the choice measured on the real runtime too
         finetune = Finetune(choice["finetune"], job.finetune.rank, job.finetune.targets)
-        checked = _estimate(job.factory, config_for_setting(base, choice), {**job.common, "method": "simulate"},
-                            args.model, finetune)  # fmt: skip
+        checked = _estimate(job.factory, config_for_setting(base, choice, planned),
+                            {**job.common, "method": "simulate"}, args.model, finetune)  # fmt: skip
         console.print(estimate_table(f"the choice, simulated ({args.model})", checked))
         record["budget"]["simulated"] = checked.to_json()
     record.update({key: choice[key] for key in ("finetune", "peak_bytes", "reserved_bytes", "host_bytes_per_machine",
                                                 "tokens_per_s", "step_s")})  # fmt: skip
     if args.write_config:
-        write_config(args.write_config, base, choice)
+        write_config(args.write_config, base, choice, planned)
         command = train_command(args.write_config, choice, job, args.model)
         console.print(f"wrote {args.write_config}; run it with:\n  {command}", soft_wrap=True)
         record["train_command"] = command
@@ -280,13 +301,13 @@ def _run_search(
 
 def recommendation(choice: dict[str, Any], hardware: str, world: int) -> str:
     what = choice["finetune"] + (", activation checkpointing" if choice["activation_checkpointing"] else "")
-    offload = {False: ", no offload", "optimizer": ", ZeRO-Offload (optimizer on the host)", True: ", CPU offload"}
-    what += offload[choice["offload"]]
-    host = choice["host_bytes_per_machine"]
+    what += ", " + offload_words(choice)
+    host, nvme = choice["host_bytes_per_machine"], choice.get("nvme_bytes_per_machine", 0)
+    on_nvme = f", NVMe {human_bytes(nvme)}" if nvme else ""
     return (
         f"[bold]recommended: {what}[/bold]\n  device peak {human_bytes(choice['peak_bytes'])} allocated, "
-        f"{human_bytes(choice['reserved_bytes'])} reserved; host {human_bytes(host) if host else 'nothing'} per "
-        f"machine;\n  {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, {choice['step_s']:.2f} s a "
+        f"{human_bytes(choice['reserved_bytes'])} reserved; host {human_bytes(host) if host else 'nothing'}{on_nvme} "
+        f"per machine;\n  {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, {choice['step_s']:.2f} s a "
         f"step on {hardware})"
     )
 
@@ -297,6 +318,22 @@ def speed_line(speed: StepTime, hardware: str) -> str:
         f"{speed.comm_s:.3f} s, host copies {speed.h2d_s:.3f} s, exposed {speed.exposed_comm_s:.3f} s); "
         f"{speed.tokens_per_s:,.0f} tokens/s for the job"
     )
+
+
+def _show_machine(
+    console: Console,
+    record: dict[str, Any],
+    measured: tuple[StepTime, MemoryEstimate],
+    per_node: int,
+    args: argparse.Namespace,
+) -> None:
+    """Host memory and NVMe per machine (against ``--host-ram``) printed; them and the step time recorded."""
+    speed, estimate = measured
+    machine = machine_line(estimate, per_node, args.ranks_per_node is None, args.host_ram)
+    if machine is not None:
+        console.print(machine, soft_wrap=True)
+    record.update(_speed_record(speed, estimate, per_node))
+    record.update(machine_record(estimate, per_node, args.host_ram))
 
 
 def _speed_record(speed: StepTime, estimate: MemoryEstimate, per_node: int) -> dict[str, Any]:
@@ -342,8 +379,7 @@ def estimate_table(title: str, estimate: MemoryEstimate) -> Table:
     if estimate.reserved_bytes:
         share = estimate.reserved_bytes / estimate.peak_bytes if estimate.peak_bytes else 0.0
         table.add_row("reserved (caching allocator)", human_bytes(estimate.reserved_bytes), f"{share:.2f}x the peak")
-    if estimate.host_bytes:
-        table.add_row("host (CPU offload)", human_bytes(estimate.host_bytes), "not in the peak")
+    host_rows(table, estimate)
     caption = [f"method {estimate.method}, target {estimate.device}, {estimate.finetune}", *estimate.notes]
     if estimate.reserved_bytes and estimate.reserved_bytes >= estimate.reserved_expandable_bytes * 1.05:
         caption.append(

@@ -3,14 +3,21 @@
 Each setting is estimated with the analytic method (the whole search answers in seconds, a 70B model
 included) and timed on the named link and GPU (``estimate.timing``). A setting fits when its *reserved*
 device peak (what the caching allocator holds: an OOM comes from that) is within the budget and its
-host memory per machine (CPU offload's shards, gradients and optimizer state, times the ranks on one
-machine) within ``--host-ram``. The choice is the fitting setting with the most tokens per second; ties
-go to the smaller peak.
+host memory per machine (CPU offload's shards, gradients and optimizer state at the pinned allocator's
+sizes, times the ranks on one machine: [Note: host bytes]) within ``--host-ram``. The choice is the fitting
+setting with the most tokens per second; ties go to the least offload, then the smaller peak.
 
 Without ``--finetune`` the search covers what to train: full, lora and qlora, each with and without
 activation checkpointing and offload (none, ``optimizer_only``: ZeRO-Offload, or full) (bf16 compute). With
 ``--finetune`` given, it covers how to shard that job: mixed precision (full only), reshard after forward,
 forward prefetch depth, activation checkpointing and the three offloads.
+
+Offload granularity, in either: each offload (``optimizer_only`` or full) is tried for every group, and where
+it helps two more ways: per group (``offload_groups``: the fewest largest groups whose offload fits the device,
+``offload_budget``'s resolution, tried where the setting without offload does not fit and with every group
+offloaded does), and with its optimizer state on NVMe (``optimizer_state: nvme``, tried where the host-memory
+one fits the device but not ``--host-ram``: the same device memory, less host memory, a slower step). The
+written config's ``nvme_path`` is ``--nvme-path`` (a placeholder by default: point it at a local NVMe drive).
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from ..estimate import element_size
 from ..estimate.analytic import analytic_estimate, nf4_paths
 from ..estimate.common import default_seq
 from ..estimate.finetune import Finetune, planned_factory
-from ..estimate.timing import Gpu, Link, plan_step_time
+from ..estimate.offload_budget import largest_groups, offload_largest, resolve_offload_budget
+from ..estimate.timing import NVME_GB_PER_S, Gpu, Link, plan_step_time
 from ._args import UsageError
 from .explain import human_bytes
 
 OFFLOADS = (False, "optimizer", True)  # none, ZeRO-Offload (optimizer_only: masters and state on the host), full
+DEFAULT_NVME_PATH = "/local/nvme"  # a placeholder for the written config's nvme_path (--nvme-path)
 SEARCH: dict[str, tuple[Any, ...]] = {
     "mixed_precision": ("fp32", "bf16"),
     "reshard_after_forward": (False, True),
@@ -45,9 +54,10 @@ FINETUNE_SEARCH: dict[str, tuple[Any, ...]] = {
     "offload": OFFLOADS,
 }
 FIXED = {"mixed_precision": "bf16", "reshard_after_forward": True, "forward_prefetch_depth": 1}
-SHOWN = ("finetune", *SEARCH)
+SHOWN = ("finetune", *SEARCH, "offload_groups", "optimizer_state")
 HEADERS = {"mixed_precision": "precision", "reshard_after_forward": "reshard", "forward_prefetch_depth": "prefetch",
-           "activation_checkpointing": "checkpoint", "host/machine": "host/node"}  # fmt: skip
+           "activation_checkpointing": "checkpoint", "host/machine": "host/node", "nvme/machine": "nvme/node",
+           "offload_groups": "groups", "optimizer_state": "opt state"}  # fmt: skip
 
 
 @dataclass
@@ -63,6 +73,7 @@ class SearchJob:
     gpu: str | Gpu
     ranks_per_node: int
     host_ram: int
+    nvme_path: str = DEFAULT_NVME_PATH  # the written config's, for optimizer state on NVMe
 
 
 def search_space(base: FSDPConfig, world_size: int, job: SearchJob) -> dict[str, tuple[Any, ...]]:
@@ -87,21 +98,60 @@ def search_budget(
     """Every setting of ``search_space`` on top of ``base``, estimated and timed; (the choice, every row).
     ``caches``: per "has adapters", the meta model and its activation traces, shared by the settings."""
     space = search_space(base, job.common["world_size"], job)
+    others = {key: values for key, values in space.items() if key != "offload"}
     tried = []
-    for values in itertools.product(*space.values()):
-        settings = {**FIXED, **dict(zip(space, values))}
-        if settings["finetune"] == "qlora" and settings["offload"] == "optimizer":
-            continue  # NF4 weights gather through hooks, which optimizer_only refuses
-        tried.append(evaluate(job, config_for_setting(base, settings), settings, budget, caches))
+    for values in itertools.product(*others.values()):
+        settings = {**FIXED, **dict(zip(others, values))}
+        tried += _offload_rows(job, base, settings, budget, caches)
     fitting = [row for row in tried if row["fits"]]
     choice = min(fitting, key=_order) if fitting else None
     return choice, tried
 
 
+def _offload_rows(
+    job: SearchJob, base: FSDPConfig, settings: dict[str, Any], budget: int, caches: dict[bool, dict[Any, Any]]
+) -> list[dict[str, Any]]:
+    """One setting's rows, one per offload (module docstring): none, optimizer_only and full for every
+    group; per group where no offload is over the device budget and every group offloaded is not; with
+    the optimizer state on NVMe where the host-memory row fits the device but not ``--host-ram``."""
+    rows = []
+    for offload in OFFLOADS:
+        if settings["finetune"] == "qlora" and offload == "optimizer":
+            continue  # NF4 weights gather through hooks, which optimizer_only refuses
+        kind = {**settings, "offload": offload, "offload_groups": "all" if offload else None}
+        kind.update(optimizer_state="host", nvme_path=None)
+        rows.append(evaluate(job, config_for_setting(base, kind), kind, budget, caches))
+    if not rows[0]["device_fits"]:  # rows[0]: no offload
+        rows += [_per_group_row(job, base, row, budget, caches) for row in rows[1:] if row["device_fits"]]
+    for row in [row for row in rows if row["offload"] and row["device_fits"] and not row["host_fits"]]:
+        kind = {key: row[key] for key in (*settings, "offload", "offload_groups")}
+        kind.update(optimizer_state="nvme", nvme_path=job.nvme_path)
+        model = caches[kind["finetune"] != "full"]["model"]
+        rows.append(evaluate(job, config_for_setting(base, kind, model), kind, budget, caches))
+    return rows
+
+
+def _per_group_row(
+    job: SearchJob, base: FSDPConfig, every: dict[str, Any], budget: int, caches: dict[bool, dict[Any, Any]]
+) -> dict[str, Any]:
+    """``every``'s offload for the fewest largest groups whose reserved peak fits ``budget``
+    ([Note: offload budget]); ``offload_groups`` is how many."""
+    kind = {key: every[key] for key in every if key in (*SHOWN, *FIXED, "nvme_path")}
+    finetune = Finetune(kind["finetune"], job.finetune.rank, job.finetune.targets)
+    keys = ("world_size", "batch", "seq", "optimizer", "device", "inputs")
+    placement = resolve_offload_budget(
+        planned_factory(job.factory, finetune), _settings_config(base, {**kind, "offload_groups": 0}, str(budget)),
+        **{key: job.common[key] for key in keys}, cache=caches.setdefault(finetune.adapters, {}), finetune=finetune,
+        fits=lambda found: (found.reserved_bytes or found.peak_bytes) <= budget,
+    )  # fmt: skip
+    kind["offload_groups"] = len(placement.offloaded)
+    return evaluate(job, placement.config, kind, budget, caches)
+
+
 def evaluate(
     job: SearchJob, config: FSDPConfig, settings: dict[str, Any], budget: int, caches: dict[bool, dict[Any, Any]]
 ) -> dict[str, Any]:
-    """One setting's row: its estimate, timing and whether it fits."""
+    """One setting's row: its estimate, timing and whether it fits (the device budget, ``--host-ram``)."""
     finetune = Finetune(settings["finetune"], job.finetune.rank, job.finetune.targets)
     cache = caches.setdefault(finetune.adapters, {})
     factory = planned_factory(job.factory, finetune)
@@ -112,19 +162,25 @@ def evaluate(
         raise UsageError(f"cannot estimate {job.spec}: {exc}", prog="fsdp2lite estimate") from None
     model = cache["model"]
     speed = setting_time(model, config, job, finetune)
-    host = estimate.host_bytes * job.ranks_per_node
+    per_node = job.ranks_per_node
     reserved = estimate.reserved_bytes or estimate.peak_bytes
+    device_fits, host_fits = reserved <= budget, estimate.host_bytes * per_node <= job.host_ram
     return {
         **settings,
         "peak_bytes": estimate.peak_bytes,
         "reserved_bytes": reserved,
         "reserved_expandable_bytes": estimate.reserved_expandable_bytes or reserved,
         "host_bytes": estimate.host_bytes,
-        "host_bytes_per_machine": host,
+        "host_bytes_per_machine": estimate.host_bytes * per_node,
+        "host_exact_bytes": estimate.host_exact_bytes,
+        "nvme_bytes": estimate.nvme_bytes,
+        "nvme_bytes_per_machine": estimate.nvme_bytes * per_node,
         "comm_bytes": communication_bytes(model, config, job.common["world_size"]),
         "step_s": speed.step_s,
         "tokens_per_s": speed.tokens_per_s,
-        "fits": reserved <= budget and host <= job.host_ram,
+        "device_fits": device_fits,
+        "host_fits": host_fits,
+        "fits": device_fits and host_fits,
     }
 
 
@@ -137,11 +193,26 @@ def setting_time(model: Any, config: FSDPConfig, job: SearchJob, finetune: Finet
     return plan_step_time(
         model, plan, shard=shard, world_size=world, tokens_per_gpu=job.common["batch"] * seq, seq=seq,
         link=job.link, gpu=job.gpu, finetune=finetune.kind,  # type: ignore[arg-type]
-        nf4=nf4_paths(model) if finetune.kind == "qlora" else (),
+        nf4=nf4_paths(model) if finetune.kind == "qlora" else (), optimizer=job.common["optimizer"],
+        nvme_gb_per_s=NVME_GB_PER_S / job.ranks_per_node,  # one drive per machine
     )  # fmt: skip
 
 
-def config_for_setting(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig:
+def config_for_setting(base: FSDPConfig, settings: dict[str, Any], model: Any = None) -> FSDPConfig:
+    """``base`` with a row's settings. ``offload_groups``: an int n offloads the n largest groups (``model``,
+    the meta model the row was planned on, is then needed), ``"all"`` every group through the top level."""
+    config = _settings_config(base, settings, "1")  # a budget only carries the kind: offload_largest drops it
+    count = settings.get("offload_groups")
+    if not settings["offload"] or not isinstance(count, int):
+        return config
+    if model is None:
+        raise ValueError(f"offload_groups: {count} (the largest groups) needs the model to find them")
+    chosen, planned = largest_groups(model, config)
+    return offload_largest(config, chosen, count, planned)
+
+
+def _settings_config(base: FSDPConfig, settings: dict[str, Any], budget: str) -> FSDPConfig:
+    """``base`` with a row's settings; a per-group offload as an unresolved ``budget``."""
     data = base.model_dump(mode="json", by_alias=True)
     data["mixed_precision"] = (
         {"param_dtype": "bf16", "reduce_dtype": "fp32"}
@@ -153,11 +224,22 @@ def config_for_setting(base: FSDPConfig, settings: dict[str, Any]) -> FSDPConfig
         rule.pop("reshard_after_forward", None)
         rule.pop("offload", None)
         rule["activation_checkpointing"] = settings["activation_checkpointing"]
-    kind = settings["offload"]
-    data["offload"] = {"device": "cpu" if kind else "none", "pin_memory": True, "optimizer_only": kind == "optimizer"}
+    data["offload"] = _offload_section(settings, budget)
     data["reshard_after_forward"] = settings["reshard_after_forward"]
     data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]
     return FSDPConfig.model_validate(data)
+
+
+def _offload_section(settings: dict[str, Any], budget: str) -> dict[str, Any]:
+    """The top-level ``offload`` of a row: its kind for every group, or as a budget for some of them."""
+    kind, count = settings["offload"], settings.get("offload_groups")
+    section: dict[str, Any] = {"device": "cpu" if kind else "none", "pin_memory": True}
+    section["optimizer_only"] = kind == "optimizer"
+    if kind and settings.get("optimizer_state") == "nvme":
+        section.update(optimizer="nvme", nvme_path=settings.get("nvme_path") or DEFAULT_NVME_PATH)
+    if kind and count != "all":  # some groups: the top level stays on the device, the budget picks them
+        section.update(device="none", budget=budget)
+    return section
 
 
 def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
@@ -195,9 +277,11 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
 
 def _order(row: dict[str, Any]) -> tuple[Any, ...]:
     """Fastest first (to 0.1%: the model is not finer); among equals, the least offload (none, then
-    optimizer_only, then full: host copies each step, host memory), then the smaller reserved peak."""
+    optimizer_only, then full: host copies each step, host memory; some groups before all of them; the
+    optimizer state in host memory before NVMe), then the smaller reserved peak."""
     return (-round(row["tokens_per_s"], -max(0, len(str(int(row["tokens_per_s"]))) - 3)),
-            OFFLOADS.index(row["offload"]), row["reserved_bytes"])  # fmt: skip
+            OFFLOADS.index(row["offload"]), row.get("offload_groups") == "all",
+            row.get("optimizer_state") == "nvme", row["reserved_bytes"])  # fmt: skip
 
 
 def nearest_rows(tried: list[dict[str, Any]], choice: dict[str, Any] | None, few: int = 5) -> list[dict[str, Any]]:
@@ -217,34 +301,47 @@ def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any
     nearest = f"the choice and its nearest alternatives ({len(tried)} tried; --all)"
     shown = "every setting tried" if show_all else nearest
     table = Table(title=f"settings for a budget of {human_bytes(budget)}: {shown}")
-    varied = [key for key in SHOWN if len({str(row[key]) for row in tried}) > 1] or ["finetune"]
-    values = (*varied, "allocated", "reserved", "host/machine", "tokens/s", "fits")
+    varied = [key for key in SHOWN if len({str(row.get(key)) for row in tried}) > 1] or ["finetune"]
+    nvme = any(row.get("nvme_bytes") for row in tried)
+    values = (*varied, "allocated", "reserved", "host/machine", *(["nvme/machine"] if nvme else []), "tokens/s", "fits")
     for column in values:
         header = HEADERS.get(column, column)
         table.add_column(header, justify="left" if column in SHOWN or column == "fits" else "right")
     for row in rows:
         chosen = row is choice
-        host = row["host_bytes_per_machine"]
+        host, on_nvme = row["host_bytes_per_machine"], row.get("nvme_bytes_per_machine", 0)
         table.add_row(
-            *(str(row[key]).lower() for key in varied),
+            *(str(row.get(key)).lower() for key in varied),
             human_bytes(row["peak_bytes"]),
             human_bytes(row["reserved_bytes"]),
             human_bytes(host) if host else "-",
+            *([human_bytes(on_nvme) if on_nvme else "-"] if nvme else []),
             f"{row['tokens_per_s']:,.0f}",
-            ("chosen" if chosen else "yes") if row["fits"] else "no",
+            ("chosen" if chosen else "yes") if row["fits"] else _miss(row),
             style="bold green" if chosen else ("" if row["fits"] else "dim"),
         )
-    table.caption = "fits: reserved within the budget and host/machine (CPU offload) within --host-ram"
+    table.caption = (
+        "fits: reserved within the budget and host/machine (CPU offload, at the pinned allocator's sizes) within "
+        "--host-ram; groups: offloaded groups (all, or the fewest largest that fit)"
+    )
     return table
 
 
-def write_config(path: str, base: FSDPConfig, choice: dict[str, Any]) -> None:
-    """The chosen setting as a policy file (read back to check it)."""
-    config = config_for_setting(base, choice)
+def _miss(row: dict[str, Any]) -> str:
+    """Why a row does not fit: ``no`` (the device budget), ``no (host)`` (only ``--host-ram``)."""
+    return "no (host)" if row.get("device_fits") and not row.get("host_fits") else "no"
+
+
+def write_config(path: str, base: FSDPConfig, choice: dict[str, Any], model: Any = None) -> None:
+    """The chosen setting as a policy file (read back to check it); ``model``: the meta model the choice
+    was planned on (a per-group offload finds its groups in it)."""
+    config = config_for_setting(base, choice, model)
     text = (
         f"# written by fsdp2lite estimate: {choice['finetune']}, {choice['reserved_bytes']:,} bytes reserved at the "
         f"peak, about {choice['tokens_per_s']:,.0f} tokens/s\n" + config.to_yaml()
     )
+    if choice.get("optimizer_state") == "nvme":
+        text = f"# nvme_path: {choice['nvme_path']} (--nvme-path): a directory on a local NVMe drive\n" + text
     Path(path).write_text(text)
     FSDPConfig.from_yaml(path)
 

@@ -308,6 +308,11 @@ def policy_lines(row: GroupRow) -> list[str]:
     if not policy.mixed_precision.cast_forward_inputs:
         mixed += " cast_forward_inputs=false"
     lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
+    from .offload_text import optimizer_placement  # here: offload_text imports this module
+
+    placement = optimizer_placement(policy)
+    if placement is not None:
+        lines.insert(1, placement)
     if policy.sharding.resident:
         lines.append("sharding: shard=optimizer (ZeRO-1/2: parameters resident, gathered once after each step)")
     if policy.sharding.replica_sharded:
@@ -478,6 +483,8 @@ def _resolved_budget(console: Console, factory: Any, config: FSDPConfig, world_s
 def placement_text(placement: Any, config: FSDPConfig) -> str:
     """What an ``offload.budget`` resolved to, in one line (explain and estimate print it)."""
     kind = "optimizer_only" if config.offload.optimizer_only else "full"
+    if config.offload.optimizer == "nvme":
+        kind += f", optimizer state on NVMe at {config.offload.nvme_path}"
     return (
         f"{len(placement.offloaded)} of {placement.candidates} groups offloaded ({kind}, largest first): "
         f"{', '.join(placement.offloaded) or 'none'}; analytic peak {human_bytes(placement.estimate.peak_bytes)}"
