@@ -1,4 +1,5 @@
-"""Sizes people write (``24GiB``, ``512GB``, ``2e11``) as bytes: for command-line flags and policy files alike."""
+"""Sizes people write (``24GiB``, ``512GB``, ``2e11``) as bytes, for command-line flags and policy files alike;
+and bytes as people read them (``human_bytes``)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,12 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"must be > 0, got {text!r}")
     return int(value)
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:,.1f} TiB"

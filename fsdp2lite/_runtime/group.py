@@ -42,6 +42,7 @@ from .collectives import (
 )
 from .comm import AllGatherResult, Comm
 from .grads import to_one_dtype
+from .host_arena import HostArena, pack_host_shards
 from .param import FSDPParam
 from .post_forward import PostForwardGroup, check_post_forward_dims, check_post_forward_size
 from .quantize import block_segments, copy_out_quantized, encode_group
@@ -146,6 +147,7 @@ class FSDPParamGroup:
         self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
         self.replicas: ReplicaSync | None = None  # HFSDP: [Note: replica-sharded groups]
         self.refreshers: tuple[Any, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
+        self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         self.set_comm_policy(comm_policy or CommPolicy())
 
     @property
@@ -214,6 +216,7 @@ class FSDPParamGroup:
         if self.resident is not None:
             self.resident.invalidate()  # the sharded parameters may be new tensors
         renewed = [param.reset_sharded_param() for param in self.params]  # a list: every parameter looks
+        self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
         for sync in self.refreshers if any(renewed) else ():
             sync.invalidate()  # the shards the all-gather reads may hold old values
         self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them

@@ -8,7 +8,8 @@ without offload, and registers on the modules a host copy instead (pinned when a
 optimizer, ``clip_grad_norm_``, ``state_dict`` and checkpoints see. So:
 - backward reduce-scatters on the device and copies the reduced gradients to the host in one copy per group
   (as ``CPUOffloadPolicy`` does), into the masters' ``.grad``;
-- the user's optimizer steps the masters on the host (its state is created there);
+- the user's optimizer steps the masters on the host (its state is created there); the group's masters are
+  one host buffer, pinned at its exact size when asked ([Note: one host buffer per group]);
 - the first unshard after the masters changed copies them to the device shards, one host-to-device copy
   per parameter per step, where full offload copies every shard twice a step.
 Only trainable parameters get a master: a parameter frozen before ``fully_shard`` keeps its shard on the
@@ -29,7 +30,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .param import FSDPParam, make_dtensor
-from .pinned import host_buffer
 from .zero import ShardWatch, watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
@@ -52,10 +52,11 @@ class HostMasterParam(FSDPParam):
         return True
 
     def _host_twin(self, shard: torch.Tensor) -> torch.Tensor:
+        """A pageable host copy of ``shard``: the group packs its masters into one buffer, the one it pins
+        ([Note: one host buffer per group])."""
         if shard.device.type == "meta":
             return torch.empty_like(shard)
-        pin = self.policy.pin_memory and torch.cuda.is_available()
-        return host_buffer(shard.shape, shard.dtype, pin).copy_(shard)  # [Note: pinning fails]
+        return torch.empty(shard.shape, dtype=shard.dtype).copy_(shard)
 
     def _register_master(self, host: torch.Tensor, requires_grad: bool) -> None:
         self.host_padded = host

@@ -227,7 +227,7 @@ class FSDPParam(GradientState):
     def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
         """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows.
 
-        With CPU offload the buffer lives on the host (pinned when asked), whatever ``local``'s device.
+        CPU offload: on the host; pinned when asked, but by its group's buffer for plain parameters (host_arena.py).
         """
         device = local.device
         if self.offload_to_cpu and device.type != "meta":
@@ -241,7 +241,7 @@ class FSDPParam(GradientState):
         return padded
 
     def _pin(self, device: torch.device) -> bool:
-        return self.offload_to_cpu and self.pin_memory and device.type == "cpu"
+        return self.offload_to_cpu and self.pin_memory and device.type == "cpu" and type(self) is not FSDPParam
 
     def _adopt_padded_shard(self, padded: torch.Tensor) -> None:
         """Make ``padded`` the shard, with the views the hot path reads made once here."""

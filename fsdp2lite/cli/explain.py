@@ -37,6 +37,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from .._runtime.state import ScheduleDefaults, schedule_defaults
+from .._units import human_bytes
 from ..config import (
     ConfigError,
     FSDPConfig,
@@ -52,6 +53,7 @@ from ..estimate import default_config, sharded_nbytes
 from ..migrate.blocks import block_classes
 from ._args import UsageError, positive_int
 from ._hf_models import FORMS, hf_factory, is_hf_spec
+from .offload_text import optimizer_placement
 from .validate import problems_table
 
 DESCRIPTION = (
@@ -281,15 +283,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ---- output -------------------------------------------------------------------------------------
-def human_bytes(nbytes: float) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024:
-            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:,.1f} TiB"
-
-
 def policy_lines(row: GroupRow) -> list[str]:
     """The group's effective policies, with the YAML key names: reshard and offload, then dtypes."""
     policy = row.policy
@@ -308,7 +301,6 @@ def policy_lines(row: GroupRow) -> list[str]:
     if not policy.mixed_precision.cast_forward_inputs:
         mixed += " cast_forward_inputs=false"
     lines = [f"reshard_after_forward={reshard_text} · offload={offload}", f"mixed_precision: {mixed}"]
-    from .offload_text import optimizer_placement  # here: offload_text imports this module
 
     placement = optimizer_placement(policy)
     if placement is not None:

@@ -11,9 +11,9 @@ from typing import Any
 
 from rich.table import Table
 
+from .._units import human_bytes
 from ..config import GroupPolicy
 from ..estimate import MemoryEstimate
-from .explain import human_bytes
 
 
 def host_rows(table: Table, estimate: MemoryEstimate) -> None:

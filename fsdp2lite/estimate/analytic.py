@@ -37,7 +37,6 @@ power-of-two block sizes (``finetune.pinned_nbytes``; a CUDA target only), the o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ import torch.nn as nn
 from ..config import FSDPConfig, Plan, checkpoint_forward, plan_config
 from ..policies import cast_dtype
 from .common import (
+    GroupBytes,
     MemoryEstimate,
     default_config,
     element_size,
@@ -57,7 +57,7 @@ from .common import (
     token_spec,
 )
 from .finetune import Finetune, PlannedLora, nf4_bytes, pinned_nbytes
-from .host import FILE_ALIGN, SLOT_ALIGN, HostBytes, host_bytes, host_note
+from .host import FILE_ALIGN, PACK_ALIGN, SLOT_ALIGN, HostBytes, host_bytes, host_note
 from .reserved import from_ratio
 
 
@@ -219,22 +219,6 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
     }
 
 
-@dataclass(frozen=True)
-class GroupBytes:
-    """One group's bytes on a rank (all padded as the all-gather lays them out)."""
-
-    sharded: int  # its shards as stored (NF4 weights at NF4_BITS)
-    trainable: int  # the shards of its trainable parameters (= their sharded gradients)
-    unsharded: int  # the all-gather's output: every parameter in param_dtype (NF4 weights still NF4)
-    unsharded_grads: int  # the unsharded gradients of its trainable parameters, in param_dtype
-    reduced: int  # the reduce-scatter input: trainable parameters' gradients in reduce_dtype
-    dequantized: int  # its largest NF4 weight in the compute dtype (qlora's transient per matmul)
-    pinned: int  # with CPU offload: its host shards and gradient buffer as the (pinned) allocator sizes them
-    host_exact: int = 0  # the same at the sizes asked for ([Note: host bytes])
-    state_file: int = 0  # optimizer: nvme: one state tensor per trainable shard, as its file lays them out
-    state_slot: int = 0  # the same as a staging slot lays them out
-
-
 def group_bytes(
     plan: Plan,
     shard: int,
@@ -249,7 +233,9 @@ def group_bytes(
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
         sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
         pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
-        requests = []  # host buffers asked for: one per shard (optimizer_only: per trainable one), one for grads
+        requests = []  # host buffers of their own (NF4, HFSDP shards), and the gradient buffer: rounded if pinned
+        packed = 0  # the group's one host buffer, pinned at its exact size ([Note: one host buffer per group])
+        own_buffers = group.policy.sharding.replica_sharded
         for name, p in params.items():
             dim = plan.shard_dims.get(name, 0)
             padded = _padded_numel(p, shard, dim)  # all-gather layout
@@ -262,7 +248,10 @@ def group_bytes(
             sharded += stored
             unsharded += gathered
             if p.requires_grad or not group.policy.offload.optimizer_only:  # optimizer_only: masters of trainables
-                requests.append(stored)
+                if name in nf4 or own_buffers:
+                    requests.append(stored)
+                else:
+                    packed += _align(stored, PACK_ALIGN)
             if p.requires_grad:
                 trainable += stored
                 grad_shards += stored
@@ -271,7 +260,7 @@ def group_bytes(
                 grads += compute
                 reduced += padded * element_size(cast_dtype(p, reduce_dtype))
         requests.append(grad_shards)  # the group's host gradient buffer, one request per step
-        pinned_sum, exact = sum(pin(n) for n in requests), sum(requests)
+        pinned_sum, exact = packed + sum(pin(n) for n in requests), packed + sum(requests)
         out.append(
             GroupBytes(
                 sharded, trainable, unsharded, grads, reduced, dequantized, pinned_sum, exact, file_bytes, slot_bytes

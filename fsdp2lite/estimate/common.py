@@ -219,3 +219,19 @@ def offloaded_share(model: nn.Module) -> tuple[int, float]:
     offloaded = sum(nbytes for nbytes, offload, _ in sizes if offload)
     state = sum(nbytes for nbytes, _, on_host in sizes if on_host)
     return offloaded, (state / total if total else 0.0)
+
+
+@dataclass(frozen=True)
+class GroupBytes:
+    """One group's bytes on a rank (all padded as the all-gather lays them out)."""
+
+    sharded: int  # its shards as stored (NF4 weights at NF4_BITS)
+    trainable: int  # the shards of its trainable parameters (= their sharded gradients)
+    unsharded: int  # the all-gather's output: every parameter in param_dtype (NF4 weights still NF4)
+    unsharded_grads: int  # the unsharded gradients of its trainable parameters, in param_dtype
+    reduced: int  # the reduce-scatter input: trainable parameters' gradients in reduce_dtype
+    dequantized: int  # its largest NF4 weight in the compute dtype (qlora's transient per matmul)
+    pinned: int  # with CPU offload: its host shards and gradient buffer as the (pinned) allocator sizes them
+    host_exact: int = 0  # the same at the sizes asked for ([Note: host bytes])
+    state_file: int = 0  # optimizer: nvme: one state tensor per trainable shard, as its file lays them out
+    state_slot: int = 0  # the same as a staging slot lays them out

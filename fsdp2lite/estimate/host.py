@@ -3,16 +3,19 @@
 [Note: host bytes]
 An offloaded group (``offload: {device: cpu}``) keeps on the host, per rank: its shards (``optimizer_only``: a
 master copy of its trainable shards; the shards stay on the device), a host gradient buffer, and its optimizer
-state. fsdp2lite asks the host allocator for one buffer per parameter shard (``_runtime/param.py`` and
-``host_masters.py``, each through ``_runtime/pinned.host_buffer``) and one per group's gradient buffer each step
-(``_runtime/collectives.py``); the optimizer state is made by the optimizer, pageable.
+state. fsdp2lite packs a group's host shards (or masters) into one buffer, each at ``PACK_ALIGN``, pinned by
+registering exactly its bytes with the driver ([Note: one host buffer per group] in ``_runtime/host_arena.py``);
+NF4 shards and HFSDP's replica-sharded ones keep a buffer each (``_runtime/pinned.host_buffer``); the group's
+gradient buffer is one request each step (``_runtime/collectives.py``); the optimizer state is made by the
+optimizer, pageable.
 
-Pinned sizes. With ``pin_memory: true`` on a CUDA target, those buffers come from torch's pinned (caching host)
-allocator, which rounds every request up to the next power of two before ``cudaHostAlloc`` and caches the block
-at that size (``ATen/core/CachingHostAllocator.h``, ``allocate``: ``c10::llvm::PowerOf2Ceil(size)``; on torch
-2.13 only when the request is at most ``pinned_max_round_threshold_mb`` and ``pinned_max_cached_size_mb`` of
-``PYTORCH_ALLOC_CONF``, both unset by default: every request is rounded). A 2.1 GiB shard takes 4 GiB. The
-planner counts each buffer at that size (``host_bytes``) and at the size asked for (``host_exact_bytes``). A CPU
+Pinned sizes. With ``pin_memory: true`` on a CUDA target, the buffers other than the packed one come from
+torch's pinned (caching host) allocator, which rounds every request up to the next power of two before
+``cudaHostAlloc`` and caches the block at that size (``ATen/core/CachingHostAllocator.h``, ``allocate``:
+``c10::llvm::PowerOf2Ceil(size)``; on torch 2.13 only when the request is at most
+``pinned_max_round_threshold_mb`` and ``pinned_max_cached_size_mb`` of ``PYTORCH_ALLOC_CONF``, both unset by
+default: every request is rounded). A 2.1 GiB shard takes 4 GiB. The planner counts each buffer at that size
+(``host_bytes``) and at the size asked for (``host_exact_bytes``); the packed buffer is exact in both. A CPU
 target, or ``pin_memory: false``, allocates pageable memory: exact.
 
 NVMe. With ``optimizer: nvme`` a group's optimizer state (AdamW: ``exp_avg`` and ``exp_avg_sq``, two tensors of
@@ -27,16 +30,14 @@ group's file is counted at its whole shards (the runtime splits them across the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..config import FSDPConfig, Plan
 from ..config.schema import OffloadConfig
+from .common import GroupBytes
 from .finetune import pinned_nbytes
 
-if TYPE_CHECKING:
-    from .analytic import GroupBytes
-
 STATE_TENSORS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer state tensors the size of a trainable shard
+PACK_ALIGN = 64  # each host shard's offset in its group's one buffer (_runtime/host_arena.py ALIGN)
 FILE_ALIGN = 4096  # each state tensor's region in the file starts on a page (_runtime/nvme.py ALIGN)
 SLOT_ALIGN = 64  # each state tensor in a staging slot starts on a cache line (_runtime/nvme.py SLOT_ALIGN)
 

@@ -314,7 +314,8 @@ def _sharded_param_bytes(model: nn.Module) -> int:
     """What the shards (and parameters left unsharded) take on this rank: their storages, padding included."""
     from torch.distributed.tensor import DTensor
 
-    shards = sum(param.padded_shard.untyped_storage().nbytes() for param in fsdp_params(model))
+    storages = {id(p): p.padded_shard.untyped_storage() for p in fsdp_params(model)}
+    shards = sum({s._cdata: s.nbytes() for s in storages.values()}.values())  # a group's host buffer counts once
     whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
     return shards + whole  # ignored parameters stay whole
 
