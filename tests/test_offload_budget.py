@@ -66,6 +66,10 @@ def test_a_budget_below_the_activations_says_so(tmp_path: Path, capsys: pytest.C
     assert main(["explain", str(path), "--model", FACTORY, "--world-size", "4"]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "offload budget 1.0 MiB at batch 1" in shown and "over the budget even with every group" in shown
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert "argument --config: offload: {budget: 1MiB} moves groups from a device to its host" in " ".join(
+        capsys.readouterr().err.split()
+    )
 
 
 def test_refusals() -> None:
@@ -76,6 +80,9 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="expected a size: .* got '20 apples'"):
         fl.FSDPConfig.model_validate({"offload": {"budget": "20 apples"}})
     config = fl.FSDPConfig.model_validate({**RULES, "offload": {"budget": "20GiB"}})
+    for device in ("cpu", "meta"):  # no host to offload to
+        with pytest.raises(ValueError, match=f"the target device is '{device}', which has no host to offload to"):
+            resolve_offload_budget(build, config, 4, device=device)
     model = build()
     with pytest.raises(ValueError, match="apply_config: offload.budget: 20GiB is resolved by the planner"):
         fl.apply_config(model, config)

@@ -234,7 +234,10 @@ def _resolve_budget(
     """The config's ``offload.budget`` resolved ([Note: offload budget]): the placement printed, and written
     with ``--write-config`` (without ``--budget``); the resolved config is what the rest estimates."""
     keys = ("world_size", "batch", "seq", "optimizer", "device", "inputs")
-    placement = resolve_offload_budget(factory, config, **{key: common[key] for key in keys})
+    try:
+        placement = resolve_offload_budget(factory, config, **{key: common[key] for key in keys})
+    except ValueError as exc:
+        raise UsageError(f"argument --config: {exc}", prog="fsdp2lite estimate") from None
     console.print(
         f"offload budget {human_bytes(placement.budget)}: {placement_text(placement, config)}", soft_wrap=True
     )

@@ -121,7 +121,7 @@ def _offload_rows(
         kind = {**settings, "offload": offload, "offload_groups": "all" if offload else None}
         kind.update(optimizer_state="host", nvme_path=None)
         rows.append(evaluate(job, config_for_setting(base, kind), kind, budget, caches))
-    if not rows[0]["device_fits"]:  # rows[0]: no offload
+    if not rows[0]["device_fits"] and job.common["device"] == "cuda":  # rows[0]: no offload; a host to offload to
         rows += [_per_group_row(job, base, row, budget, caches) for row in rows[1:] if row["device_fits"]]
     for row in [row for row in rows if row["offload"] and row["device_fits"] and not row["host_fits"]]:
         kind = {key: row[key] for key in (*settings, "offload", "offload_groups")}

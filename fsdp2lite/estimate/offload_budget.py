@@ -71,6 +71,12 @@ def resolve_offload_budget(
 
     if budget is None:
         return BudgetPlacement(0, config, (), 0, estimate(config), True)
+    if device != "cuda":
+        raise ValueError(
+            f"offload: {{budget: {budget}}} moves groups from a device to its host, but the target device is "
+            f"{device!r}, which has no host to offload to (on 'cpu' the parameters are on the host already; 'meta' "
+            "holds nothing): plan it for device 'cuda' (fsdp2lite estimate --device cuda)"
+        )
     limit = config.offload.budget_bytes or 0
     within = fits or (lambda found: found.peak_bytes <= limit)
     if "model" not in cache:
