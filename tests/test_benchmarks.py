@@ -236,3 +236,99 @@ def test_bench_offload_runs_both_libraries_with_offload(tmp_path: Path, capsys: 
         with pytest.raises(SystemExit) as info:
             bench_offload.parse_args(argv)
         assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+# ---- bench_offload_memory.py --------------------------------------------------------------------------------------
+
+TINY_GPT = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq-len", "16"]  # every dim even
+
+
+def test_bench_offload_memory_counts_host_disk_and_nvme_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny CPU run end to end (one spawn of 2 gloo ranks): NVMe reads and writes the whole state every step and
+    keeps only the step counters in memory, the same losses bit for bit, shard bytes by the closed form, the disk
+    named, the files."""
+    import json
+    import os
+
+    import bench_offload_memory as bench
+
+    from fsdp2lite.models import GPT, GPTConfig
+
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    argv = ["--steps", "2", "--warmup", "1", *TINY_GPT, "--nvme-path", str(nvme_dir), "--out-dir", str(tmp_path)]
+    record = bench.main(argv)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"] == record["runs"]
+    runs = record["runs"]
+    assert list(runs) == [setup.name for setup in bench.SETUPS]
+    rival, memory, nvme = runs[bench.RIVAL], runs[bench.REFERENCE], runs[bench.NVME]
+    state = nvme["nvme_state"]
+    assert state > 0 and nvme["nvme_read_per_step"] == nvme["nvme_written_per_step"] == state
+    assert nvme["nvme_read_total"] == 2 * state and nvme["nvme_written_total"] == 3 * state  # the first step reads 0
+    assert nvme["disk_reserved"] >= state and nvme["staging"] > 0
+    assert memory["optimizer_state_in_memory"] == rival["optimizer_state_in_memory"]
+    assert nvme["optimizer_state_in_memory"] == memory["optimizer_state_in_memory"] - state  # the step counters
+    assert nvme["host_optimizer_bytes"] == nvme["optimizer_state_in_memory"] + nvme["staging"]
+    assert all(row["disk_reserved"] == row["staging"] == row["nvme_read_total"] == 0 for row in (rival, memory))
+    config = GPTConfig(64, 16, 32, 2, 1, tie_embeddings=True)
+    plan = bench.shard_plan(GPT(config), world_size=2)  # global shapes: the same as the sharded model's
+    assert memory["shard_host"] == nvme["shard_host"] == plan["fsdp2lite_shards"]  # packed, each 64-byte aligned
+    assert rival["shard_host"] == plan["shard_bytes"]  # no padding rows: every dim 0 is even
+    assert nvme["max_loss_diff_vs_fsdp2lite"] == 0.0 and record["nvme_bit_for_bit"]
+    assert rival["max_loss_diff_vs_fsdp2lite"] < 1e-5 and len(rival["losses"]) == 3
+    assert rival["step_vs_torch"] == 1.0 and len(memory["step_ms"]) == 2
+    assert record["nvme_disk"]["path"] == os.path.realpath(nvme_dir) and record["nvme_disk"]["fs_type"]
+    assert sorted(Path(f).suffix for f in record["files"]) == [".json", ".md"]
+    assert "offload-memory-cpu-" in record["files"][0] and "command" in Path(record["files"][1]).read_text()
+
+
+def test_bench_offload_memory_gpu_half_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dry-run builds both libraries' plan on meta (one process each); without CUDA the real run refuses with a
+    message; the pinned-bytes key is read from either layout of host_memory_stats(); bad flags exit 2."""
+    import torch
+    from bench_offload_memory import _pow2, allocator_pinned_bytes, main, parse_args
+
+    record = main(["--device", "cuda", "--dry-run", *TINY_GPT])
+    assert record["dry_run"] and record["files"] == [] and record["world_size"] == 8
+    plans = [record["libraries"][name]["plan"] for name in ("fsdp2lite", "torch")]
+    assert plans[0] == plans[1] and plans[0]["n_params"] == record["n_params"]
+    plan = plans[0]
+    assert plan["shard_bytes"] <= plan["fsdp2lite_shards"] < plan["shard_bytes"] + 64 * 16  # 16 parameters
+    assert plan["torch_shards"] >= plan["shard_bytes"] and plan["torch_grads"] == plan["torch_shards"]
+    assert record["pinned_ratio"] is None and record["target"]["ok"] is None
+    assert record["libraries"]["torch"]["stepped"]["allocator_bytes"] is None
+    assert (_pow2(0), _pow2(1), _pow2(3 * 2**20), _pow2(2**20)) == (0, 1, 4 * 2**20, 2**20)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            main(["--device", "cuda", *TINY_GPT])
+    newer = {"allocated_bytes.current": 5, "active_bytes.current": 3}  # torch 2.13: allocated = active + cached
+    older = {"allocated_bytes.current": 3, "reserved_bytes.current": 8, "segment.current": 1}
+    for stats, expected in ((newer, (5, "allocated_bytes.current")), (older, (8, "reserved_bytes.current"))):
+        monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", lambda stats=stats: stats)
+        assert allocator_pinned_bytes() == expected
+    defaults = parse_args(["--device", "cuda"])
+    assert (defaults.world_size, defaults.layers, defaults.d_model, defaults.vocab) == (8, 24, 2048, 50257)
+    for argv, needle in ((["--dry-run"], "--dry-run"), (["--world-size", "1"], "--world-size"),
+                         (["--nvme-path", "/nonexistent/dir"], "--nvme-path")):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            parse_args(argv)
+        assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_offload_memory_gpu_half_measures_pinned_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CUDA machine, a tiny GPT: both libraries pin, fsdp2lite's group buffers hold exactly the packed shards."""
+    from bench_offload_memory import main
+
+    record = main(["--device", "cuda", *TINY_GPT, "--no-save"])
+    mine, plan = record["libraries"]["fsdp2lite"], record["libraries"]["fsdp2lite"]["plan"]
+    assert sum(mine["stepped"]["arena_bytes"].values()) == plan["fsdp2lite_shards"]
+    for row in record["libraries"].values():
+        assert (
+            row["stepped"]["pinned_bytes"] > 0 and row["stepped"]["allocator_bytes"] >= row["built"]["allocator_bytes"]
+        )
+    assert record["pinned_ratio"] > 0 and record["target"]["ok"] == (record["pinned_ratio"] <= 0.6)
