@@ -60,6 +60,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fsdp2lite as fl
+from fsdp2lite._runtime.host_arena import grad_buffer
 from fsdp2lite._spawn import exit_rank_process
 from fsdp2lite.models import GPT, GPTConfig
 from fsdp2lite.offload import nvme_stats
@@ -108,6 +109,12 @@ def arenas(model: torch.nn.Module) -> list[Any]:
     """fsdp2lite's host buffers, one per offloaded group ([Note: one host buffer per group])."""
     groups = [getattr(m._fsdp_state, "group", None) for m in model.modules() if isinstance(m, fl.FSDPModule)]
     return [group.host_arena for group in groups if group is not None and group.host_arena is not None]
+
+
+def grad_buffers(model: torch.nn.Module) -> list[Any]:
+    """fsdp2lite's reduced-gradient host buffers, one per offloaded group that ran a backward."""
+    groups = [getattr(m._fsdp_state, "group", None) for m in model.modules() if isinstance(m, fl.FSDPModule)]
+    return [kept for group in groups if group is not None and (kept := grad_buffer(group)) is not None]
 
 
 def host_bytes(setup: Setup, run: Run) -> list[int]:
@@ -300,7 +307,7 @@ def shard_plan(model: GPT, world_size: int) -> dict[str, int]:
     """Rank 0's padded shards and their closed-form pinned bytes, from the global shapes: both libraries chunk dim 0,
     a shard padded to ceil(rows / world_size) rows. torch's allocator pins each shard, and each gradient shard,
     as one block rounded up to a power of two; fsdp2lite packs a group's shards into one exact buffer (each at 64
-    bytes) and pins its gradients as one block per group (the reduce-scatter output), rounded the same way."""
+    bytes) and its gradients into another, both registered at their exact size ([Note: one host buffer per group])."""
     groups = [list(block.parameters()) for block in model.blocks]
     in_blocks = {id(p) for group in groups for p in group}
     groups.append([p for p in model.parameters() if id(p) not in in_blocks])  # the root's
@@ -309,7 +316,7 @@ def shard_plan(model: GPT, world_size: int) -> dict[str, int]:
     return {
         "n_params": sum(p.numel() for p in model.parameters()), "shard_bytes": sum(flat),
         "torch_shards": sum(map(_pow2, flat)), "torch_grads": sum(map(_pow2, flat)),
-        "fsdp2lite_shards": sum(-(-n // 64) * 64 for n in flat), "fsdp2lite_grads": sum(_pow2(sum(g)) for g in shards),
+        "fsdp2lite_shards": sum(-(-n // 64) * 64 for n in flat), "fsdp2lite_grads": sum(sum(g) for g in shards),
     }  # fmt: skip
 
 
@@ -320,6 +327,8 @@ def pinned_now(model: GPT, baseline: int | None) -> dict[str, Any]:
     by_pinning = {"registered": 0, "allocator": 0, "none": 0}
     for arena in arenas(model):
         by_pinning[arena.pinning] += arena.nbytes
+    for kept in grad_buffers(model):
+        by_pinning[kept.pinning] += kept.raw.nbytes
     held = None if allocator is None or baseline is None else allocator - baseline
     return {
         "allocator_bytes": held, "registered_bytes": by_pinning["registered"], "arena_bytes": by_pinning,
@@ -409,7 +418,7 @@ def gpu_notes(summary: dict[str, Any]) -> list[str]:
         f"pinning: {summary['libraries']['fsdp2lite']['stepped']['arena_bytes']}",
         "shards: rank 0's padded shards, exact and unpinned; closed form (shard_plan): torch a block per shard and per "
         f"gradient (shards {_mib(plan['torch_shards'], 1)} + grads {_mib(plan['torch_grads'], 1)} MiB), fsdp2lite "
-        f"its packed shards and a block per group's gradients ({_mib(plan['fsdp2lite_shards'], 1)} + "
+        f"its packed shards and gradient buffers, each registered at its size ({_mib(plan['fsdp2lite_shards'], 1)} + "
         f"{_mib(plan['fsdp2lite_grads'], 1)} MiB); {summary['precision']}",
     ] + (["--dry-run: the GPT on meta, sharded on a CPU mesh: plan only, nothing pinned, no step"] if summary["dry_run"]
          else [])  # fmt: skip

@@ -69,7 +69,8 @@ def _estimate(config: fl.FSDPConfig, method: str = "analytic", device: str = "cu
 def test_nvme_moves_the_optimizer_state_to_files_exact_bytes() -> None:
     """Analytic, blocks offloaded: AdamW's two state tensors per block (2 x 4,160 bytes in memory) go to the
     file, each tensor on a 4 KiB page (2 x 2 x 4,096); the host gains two staging slots of the largest block's
-    state (64-byte aligned: 8,320), each pinned at 16 KiB; each block's gradient buffer pins at 8 KiB."""
+    state (64-byte aligned: 8,320); the masters, the gradient buffers and the slots are pinned at their exact
+    sizes ([Note: one host buffer per group])."""
     host = _estimate(_config(device="cpu"))
     nvme = _estimate(_config(device="cpu", optimizer="nvme", nvme_path="/mnt/nvme0"))
     assert nvme.peak_bytes == host.peak_bytes and nvme.breakdown == host.breakdown  # the device is the same
@@ -77,19 +78,20 @@ def test_nvme_moves_the_optimizer_state_to_files_exact_bytes() -> None:
     optimizer = 2 * (3 * BLOCK + HEAD) + 4 * 8  # AdamW: two moments and a step counter per tensor
     in_memory = optimizer * 3 * BLOCK // (3 * BLOCK + HEAD)  # the offloaded share of it
     assert host.host_exact_bytes == 3 * BLOCK + 3 * BLOCK + in_memory  # masters, gradient buffers, state
-    assert host.host_bytes == 3 * BLOCK + 3 * 8192 + in_memory  # a 4,160-byte gradient buffer pins 8 KiB
+    assert host.host_bytes == host.host_exact_bytes  # every pinned buffer registered at its size
     steps = in_memory - 3 * 2 * BLOCK  # the step counters' share stays in host memory
     assert nvme.host_exact_bytes == 3 * BLOCK + 3 * BLOCK + steps + 2 * 2 * BLOCK
-    assert nvme.host_bytes == 3 * BLOCK + 3 * 8192 + steps + 2 * 16384
+    assert nvme.host_bytes == nvme.host_exact_bytes
     assert any("optimizer state on NVMe: 49,152 bytes per rank" in note for note in nvme.notes)
 
 
 def test_pinned_sizes_only_where_pinned() -> None:
-    """A CPU target, or pin_memory: false, allocates pageable host memory: host_bytes is the exact size."""
+    """A CPU target, or pin_memory: false, allocates pageable host memory, and a pinned one registers each buffer
+    at its exact size ([Note: one host buffer per group]): host_bytes is the exact size in all three."""
     nvme = {"device": "cpu", "optimizer": "nvme", "nvme_path": "/x"}
     pinned = _estimate(_config(**nvme))
     for estimate in (_estimate(_config(**nvme), device="cpu"), _estimate(_config(**nvme, pin_memory=False))):
-        assert estimate.host_bytes == estimate.host_exact_bytes == pinned.host_exact_bytes < pinned.host_bytes
+        assert estimate.host_bytes == estimate.host_exact_bytes == pinned.host_exact_bytes == pinned.host_bytes
         assert estimate.nvme_bytes == pinned.nvme_bytes
 
 
@@ -100,7 +102,7 @@ def test_simulate_counts_nvme_as_analytic_does() -> None:
     nvme = _estimate(_config(device="cpu", optimizer="nvme", nvme_path="/x"), method="simulate")
     assert nvme.peak_bytes == host.peak_bytes and nvme.nvme_bytes == 3 * 2 * 2 * 4096
     assert host.host_exact_bytes - nvme.host_exact_bytes == 3 * 2 * BLOCK - 2 * 2 * BLOCK
-    assert nvme.host_bytes - host.host_bytes == 2 * 16384 - 3 * 2 * BLOCK
+    assert nvme.host_bytes - host.host_bytes == 2 * 2 * BLOCK - 3 * 2 * BLOCK  # slots pinned at their size
 
 
 def test_nvme_step_time() -> None:

@@ -136,3 +136,47 @@ def test_registered_at_exact_size_on_cuda() -> None:
     buffer.copy_(device, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(buffer, device.cpu())
+
+
+def test_gradient_buffer_reused_only_when_free() -> None:
+    """The group's reduced-gradient host buffer: the same one every step once nothing holds it; while a
+    gradient (a view) still holds it, a buffer of its own for that step, and the kept one untouched."""
+
+    class Key:  # stands for the group's first parameter (the buffers are kept by it, weakly)
+        pass
+
+    key = (Key(),)
+    first = host_arena.host_grad_buffer(key, 100, torch.float32, pin=False)
+    assert first.numel() == 100 and host_arena.host_grad_buffer(key, 100, torch.float32, pin=False) is first
+    first.fill_(7.0)
+    grad = first[10:20]  # a sharded gradient viewing it
+    other = host_arena.host_grad_buffer(key, 100, torch.float32, pin=False)
+    assert other.data_ptr() != first.data_ptr() and torch.equal(grad, torch.full((10,), 7.0))
+    del grad
+    assert host_arena.host_grad_buffer(key, 100, torch.float32, pin=False) is first
+    assert host_arena.host_grad_buffer(key, 60, torch.float32, pin=False).numel() == 60  # the group changed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned shards and gradients on the host")
+def test_offloaded_group_pins_shards_and_gradients_once_on_cuda() -> None:
+    spawn_checks(1, _pinned_once)
+
+
+def _pinned_once(rank: int, ws: int) -> None:
+    torch.cuda.set_device(0)
+    model = tiny_gpt().cuda()
+    for block in model.blocks:
+        fl.fully_shard(block, fl.init_mesh(device_type="cuda"), offload_policy=fl.CPUOffloadPolicy())
+    fl.fully_shard(model, fl.init_mesh(device_type="cuda"), offload_policy=fl.CPUOffloadPolicy())
+    for group in groups(model):
+        assert group.host_arena.pinning == "registered" and group.host_arena.buffer.is_pinned()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    for step in range(3):
+        gpt_loss(model, tuple(t.cuda() for t in gpt_batch(step, rank))).backward()
+        seen.append([p.grad._local_tensor.untyped_storage().data_ptr() for p in model.parameters()])
+        assert all(p.grad._local_tensor.is_pinned() for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert seen[0] == seen[1] == seen[2], "each group's gradient buffer, reused every step"

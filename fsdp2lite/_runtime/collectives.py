@@ -81,8 +81,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import AllGatherResult, Comm, all_gather_flat
+from .host_arena import host_grad_buffer
 from .param import FSDPParam, make_dtensor
-from .pinned import host_buffer
 from .quantize import exchange_rows, sum_received
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
@@ -417,7 +417,7 @@ def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
     offload_event = None
     if first.grads_on_host and flat.device.type != "cpu":
-        host = host_buffer(flat.shape, flat.dtype, first.pin_memory)  # [Note: pinning fails]
+        host = host_grad_buffer(params, flat.numel(), flat.dtype, first.pin_memory)  # [Note: one host buffer per group]
         flat = host.copy_(flat, non_blocking=host.is_pinned())  # pinned: async, waited at the end of backward
         if host.is_pinned():
             offload_event = torch.cuda.Event()

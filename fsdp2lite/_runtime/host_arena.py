@@ -16,6 +16,12 @@ into one buffer, each at a 64-byte-aligned offset, and the parameters adopt view
 The buffer is the group's for its life: the optimizer steps into it, the all-gather copies out of it, every
 step. Hooked parameters (a tensor subclass with all-gather hooks, such as NF4) and HFSDP's replica-sharded ones
 keep buffers of their own.
+
+The reduced gradients' host buffer (one per group, the sharded gradients are views of it) is made the same
+way, once, and reused by every backward that finds nothing else holding it (``zero_grad()`` set the
+gradients to None): its storage's use count is the one it had when made. A backward that finds it still held
+(gradients kept, accumulated, or referenced elsewhere) gets a buffer of its own from the pinned allocator for
+that step, as before, so no value anyone can still read is ever overwritten.
 """
 
 from __future__ import annotations
@@ -73,6 +79,49 @@ def pack_host_shards(group: FSDPParamGroup, arena: HostArena | None) -> HostAren
         view = buffer.narrow(0, offset, tensor.nbytes).view(tensor.dtype).view(tensor.shape)
         _adopt(param, view.copy_(tensor))
     return HostArena(buffer, pinning)
+
+
+@dataclass(frozen=True)
+class GradBuffer:
+    """A group's reduced-gradient host buffer: its bytes, the typed view handed out, and the storage's use
+    count when nothing else holds it."""
+
+    raw: torch.Tensor
+    typed: torch.Tensor
+    free_count: int
+    pinning: str  # as HostArena's
+
+
+_grad_buffers: weakref.WeakKeyDictionary[Any, GradBuffer] = weakref.WeakKeyDictionary()  # by the group's first param
+
+
+def grad_buffer(group: FSDPParamGroup) -> GradBuffer | None:
+    """``group``'s reduced-gradient host buffer, once a backward made it (benchmarks and tests read it)."""
+    return _grad_buffers.get(group.params[0])
+
+
+def host_grad_buffer(params: tuple[FSDPParam, ...], numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A ``(numel,)`` host buffer for a group's reduced gradients: the group's own, exact and pinned when asked,
+    when nothing holds it any more; else one of the pinned allocator's for this step only."""
+    kept = _grad_buffers.get(params[0])
+    if kept is not None and kept.typed.numel() == numel and kept.typed.dtype == dtype:
+        if _use_count(kept.typed) == kept.free_count:
+            return kept.typed
+        return host_buffer((numel,), dtype, pin)  # still held: never overwrite what someone can read
+    raw, pinning = exact_host_bytes(numel * _itemsize(dtype), pin)
+    typed = raw.view(dtype)
+    _grad_buffers[params[0]] = GradBuffer(raw, typed, _use_count(typed), pinning)
+    return typed
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s storage (every view holds one); -1 where torch does not say (never reused)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return -1 if counter is None else int(counter(tensor.untyped_storage()._cdata))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def exact_host_bytes(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:

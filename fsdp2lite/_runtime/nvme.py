@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .host_arena import exact_host_bytes
 from .param import make_dtensor
-from .pinned import host_buffer
 
 FSDPParamGroup = Any  # the group (group.py imports the modules that import this one: no import back)
 
@@ -273,7 +273,7 @@ class NVMeOptimizerState:
             return
         self._drain()  # no read or write may still use the old slots
         pin = any(unit.pin for unit in units)
-        self.staging = [host_buffer((need,), torch.uint8, pin) for _ in range(2)]  # [Note: pinning fails]
+        self.staging = [exact_host_bytes(need, pin)[0] for _ in range(2)]  # [Note: one host buffer per group]
 
     def _read(self, optimizer: torch.optim.Optimizer, unit: Unit, slot: int) -> _Read:
         """Queue the reads of ``unit``'s state that the optimizer does not hold in memory, into ``slot``."""

@@ -233,7 +233,7 @@ def group_bytes(
         reduce_dtype = policy.reduce_dtype or policy.param_dtype
         sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
         pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
-        requests = []  # host buffers of their own (NF4, HFSDP shards), and the gradient buffer: rounded if pinned
+        requests = []  # host buffers of their own (NF4, HFSDP shards): rounded if pinned
         packed = 0  # the group's one host buffer, pinned at its exact size ([Note: one host buffer per group])
         own_buffers = group.policy.sharding.replica_sharded
         for name, p in params.items():
@@ -259,7 +259,7 @@ def group_bytes(
                 slot_bytes += _align(stored, SLOT_ALIGN)  # and in a staging slot
                 grads += compute
                 reduced += padded * element_size(cast_dtype(p, reduce_dtype))
-        requests.append(grad_shards)  # the group's host gradient buffer, one request per step
+        packed += grad_shards  # the group's host gradient buffer: exact too, reused every step
         pinned_sum, exact = packed + sum(pin(n) for n in requests), packed + sum(requests)
         out.append(
             GroupBytes(

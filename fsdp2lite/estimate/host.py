@@ -6,8 +6,9 @@ master copy of its trainable shards; the shards stay on the device), a host grad
 state. fsdp2lite packs a group's host shards (or masters) into one buffer, each at ``PACK_ALIGN``, pinned by
 registering exactly its bytes with the driver ([Note: one host buffer per group] in ``_runtime/host_arena.py``);
 NF4 shards and HFSDP's replica-sharded ones keep a buffer each (``_runtime/pinned.host_buffer``); the group's
-gradient buffer is one request each step (``_runtime/collectives.py``); the optimizer state is made by the
-optimizer, pageable.
+reduced gradients get one buffer of their own, made the same exact way and reused every step (a step that
+finds it still held, e.g. gradients kept with ``zero_grad(set_to_none=False)``, takes another from the pinned
+allocator: not counted); the optimizer state is made by the optimizer, pageable.
 
 Pinned sizes. With ``pin_memory: true`` on a CUDA target, the buffers other than the packed one come from
 torch's pinned (caching host) allocator, which rounds every request up to the next power of two before
@@ -21,8 +22,8 @@ target, or ``pin_memory: false``, allocates pageable memory: exact.
 NVMe. With ``optimizer: nvme`` a group's optimizer state (AdamW: ``exp_avg`` and ``exp_avg_sq``, two tensors of
 its trainable shards' size; SGD: the momentum, one) lives in one preallocated file per rank under ``nvme_path``
 instead of host memory ([Note: optimizer state on NVMe] in ``_runtime/nvme.py``), each tensor at a page
-boundary (``FILE_ALIGN``): ``nvme_bytes``. The host holds instead two staging buffers (``host_buffer``, pinned
-where the group pins), each the largest NVMe group's state with every tensor at ``SLOT_ALIGN``. Each step reads
+boundary (``FILE_ALIGN``): ``nvme_bytes``. The host holds instead two staging buffers (pinned where the group
+pins, at their exact size), each the largest NVMe group's state with every tensor at ``SLOT_ALIGN``. Each step reads
 and writes the NVMe groups' state once. AdamW's step counters (4 bytes a tensor) stay in host memory. An HFSDP
 group's file is counted at its whole shards (the runtime splits them across the replicas: an upper bound).
 """
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from ..config import FSDPConfig, Plan
 from ..config.schema import OffloadConfig
 from .common import GroupBytes
-from .finetune import pinned_nbytes
 
 STATE_TENSORS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer state tensors the size of a trainable shard
 PACK_ALIGN = 64  # each host shard's offset in its group's one buffer (_runtime/host_arena.py ALIGN)
@@ -72,8 +72,7 @@ def host_bytes(
     offloaded, on_nvme = offloaded_groups(plan), nvme_groups(plan)
     tensors = STATE_TENSORS[optimizer]
     slot = max((tensors * groups[index].state_slot for index in on_nvme), default=0)
-    pinning = pin and any(plan.groups[index].policy.offload.pin_memory for index in on_nvme)
-    staging = 2 * (pinned_nbytes(slot) if pinning else slot)
+    staging = 2 * slot  # registered at their exact size, as the group's buffers ([Note: one host buffer per group])
     state = max(0, moved_state - sum(tensors * trained[index] for index in on_nvme))  # what stays in host memory
     return HostBytes(
         pinned=sum(groups[index].pinned for index in offloaded) + state + staging,
