@@ -59,21 +59,26 @@ LIBRARIES = ("fsdp2lite", "torch")
 TARGET = 0.9  # fsdp2lite's host time per step at most 0.9x torch's (issue 10)
 
 
-def build(library: str, cfg: GPTConfig, mesh: Any, device: str) -> tuple[GPT, torch.optim.Optimizer]:
-    """The GPT (seed 0) sharded by ``library`` (per block, then the root), bf16 params, fp32 reduce."""
+def build(
+    library: str, cfg: GPTConfig, mesh: Any, device: str, wrap: str = "blocks"
+) -> tuple[GPT, torch.optim.Optimizer]:
+    """The GPT (seed 0) sharded by ``library``, bf16 params, fp32 reduce: per block, then the root
+    (``wrap="blocks"``), or as torchtitan wraps a decoder (``"torchtitan"``: the token embedding alone, each
+    block, the final norm with the head, then the root: a one-parameter group, [Note: copy-out by views])."""
     torch.manual_seed(0)
     with torch.device(device):  # built there; the steps run outside this mode (it taxes every op)
         model = GPT(cfg)
+    units: list[Any] = [*model.blocks]
+    if wrap == "torchtitan":
+        units = [model.tok_emb, *model.blocks, [model.norm, model.head]]
     if library == "fsdp2lite":
         policy = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
-        for block in model.blocks:
-            fl.fully_shard(block, mesh, mp_policy=policy)
-        fl.fully_shard(model, mesh, mp_policy=policy)
+        for unit in [*units, model]:
+            fl.fully_shard(unit, mesh, mp_policy=policy)
     else:
         torch_policy = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            torch_fully_shard(block, mesh=mesh, mp_policy=torch_policy)
-        torch_fully_shard(model, mesh=mesh, mp_policy=torch_policy)
+        for unit in [*units, model]:
+            torch_fully_shard(unit, mesh=mesh, mp_policy=torch_policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
 
@@ -121,7 +126,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     mesh = init_device_mesh(args.device, (args.world_size,), mesh_dim_names=("shard",))  # outside the fake mode
     with FakeTensorMode():  # no torch.device(...) context: its mode would tax every op of both libraries
-        models = {name: build(name, cfg, mesh, args.device) for name in LIBRARIES}
+        models = {name: build(name, cfg, mesh, args.device, args.wrap) for name in LIBRARIES}
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device=args.device)
         steps = {name: step_fn(model, opt, tokens) for name, (model, opt) in models.items()}
         times = time_interleaved(steps, args.warmup, args.steps)
@@ -133,6 +138,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "model_config": dataclasses.asdict(cfg),
         "n_params": n_params,
         "world_size": args.world_size,
+        "wrap": args.wrap,
         "device": args.device,
         "batch": args.batch,
         "warmup": args.warmup,
@@ -205,6 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device type of the fake tensors")
     parser.add_argument("--profile", action="store_true", help="add cProfile tables per library")
+    parser.add_argument(
+        "--wrap", choices=("blocks", "torchtitan"), default="blocks",
+        help="groups: per block then the root, or torchtitan's (the embedding alone, blocks, norm + head, root)",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)

@@ -37,6 +37,14 @@ exactly the padded-shard layout); the sharded gradients are ``as_strided`` views
 wrapped in DTensors with a spec built at ``fully_shard`` time. The views and specs that do not change
 between steps are made once (``FSDPParam.flat_shard``, ``all_gather_view``, ``sharded_spec``).
 
+[Note: copy-out by views]
+A group of one parameter sharded on dim 0 needs no copy-out: its padded unsharded storage is laid out like the
+all-gather's output (rank r's padded rows at row block r, the parameter its first numel elements), so the
+all-gather writes that storage directly: allocated at the issue (``direct_output``), the copy-in writing this
+rank's slot of it, no output buffer and no ``split_with_sizes_copy``. One copy of the parameter's bytes and one
+transient buffer of them fewer per unshard (an embedding or a head sharded alone, as torchtitan does). Groups
+of several parameters interleave them rank by rank, so their copy-out stays one ``split_with_sizes_copy``.
+
 [Note: byte all-gather]
 A group whose parameters all-gather in several dtypes (a frozen bf16 or int8 weight beside fp32 ones,
 as torch's fully_shard allows) is still one collective: its buffer is uint8, each parameter's slot
@@ -164,17 +172,21 @@ def issue_all_gather(
     dtype: torch.dtype,
     comm: Comm,
     custom: Any = None,
+    into: torch.Tensor | None = None,
 ) -> AllGatherResult:
     """Copy ``sources`` (this rank's flat padded shards, ``numels`` elements each) into this rank's slot
     of one flat buffer and start one in-place all-gather over ``group``.
 
     The input is a view of the output (``output[rank * group_numel : (rank + 1) * group_numel]``), so the
-    all-gather allocates the group's bytes once: [Note: buffer lifetime].
+    all-gather allocates the group's bytes once: [Note: buffer lifetime]. ``into``: the output is that
+    buffer, allocated already (a one-parameter group's unsharded storage: [Note: copy-out by views]).
     """
     group_numel = sum(numels)
     with comm.on("all_gather_copy_in"):
         size = group_size * group_numel
-        if custom is not None:  # set_custom_all_gather: the user's allocator
+        if into is not None:
+            all_gather_output = into
+        elif custom is not None:  # set_custom_all_gather: the user's allocator
             all_gather_output = custom.allocate((size,), dtype=dtype, device=comm.device)
         else:
             all_gather_output = torch.empty(size, dtype=dtype, device=comm.device)
@@ -218,20 +230,35 @@ def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
     return result.all_gather_output
 
 
+def direct_output(params: tuple[FSDPParam, ...], custom: Any) -> torch.Tensor | None:
+    """The unsharded storage of a group's one parameter, when the all-gather can write it directly: sharded
+    on dim 0, gathered in its own dtype without hooks or a custom all-gather ([Note: copy-out by views])."""
+    if len(params) != 1 or custom is not None:
+        return None
+    param = params[0]
+    if param.shard_dim != 0 or param.extension is not None:
+        return None
+    return param.alloc_unsharded()
+
+
 def copy_out_all_gather(
     all_gather_output: torch.Tensor,
     params: tuple[FSDPParam, ...],
     group_size: int,
     numels: list[int],
     as_bytes: bool = False,
-) -> None:
-    """Copy each parameter's column block of the rank-major output into its padded unsharded storage.
+) -> bool:
+    """Copy each parameter's column block of the rank-major output into its padded unsharded storage;
+    True when the output is that storage already (nothing copied: [Note: copy-out by views]).
 
     ``all_gather_output`` viewed ``(group_size, group_numel)``: row r is rank r's slot, parameter i
     its columns ``[offset_i, offset_i + numels[i])``; one op writes every parameter's
     ``(group_size, numels[i])`` view, whose first ``numel`` elements are the parameter ([Note: hot path]).
     ``as_bytes``: the output is uint8 and ``numels`` are bytes; each target is viewed as bytes too.
     """
+    flat = params[0].unsharded_flat
+    if len(params) == 1 and flat is not None and all_gather_output.data_ptr() == flat.data_ptr():
+        return True
     if as_bytes:
         outputs = []
         for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
@@ -243,6 +270,7 @@ def copy_out_all_gather(
     else:
         outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
     torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)
+    return False
 
 
 def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> tuple[torch.Tensor, list[int]]:

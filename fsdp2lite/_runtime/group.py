@@ -2,19 +2,7 @@
 
 A group is all-gathered as one collective before it is used and reduce-scattered as one collective
 after its backward (plus, for HSDP, one all-reduce across replicas). It owns the phase logic;
-``state.py`` decides *when* each phase runs.
-
-[Note: post-forward reshard]
-``reshard_after_forward=k`` (1 < k < shard size, k divides it): after forward each rank keeps its
-torch.chunk piece of the parameters as if sharded over k ranks (its k-1 neighbours in the shard group
-keep the others), so the backward all-gather runs over those k ranks only: less traffic and latency,
-for (shard_size / k) times the sharded bytes held between forward and backward.
-
-A group that all-gathers bytes (several dtypes, or torch's all-gather hooks) has no one-dtype unsharded
-rows to chunk: each rank keeps instead shard_size / k consecutive slots of the forward's all-gather output
-(its rank-major per-rank inputs, hook outputs included), and the k-rank regather puts every slot back in
-place, so the copy-out, and a hook's ``fsdp_post_all_gather`` with the forward's metadata, run as after
-the forward's all-gather (torch's ``fully_shard`` refuses an int for hooked parameters).
+``state.py`` decides *when* each phase runs ([Note: post-forward reshard] is in ``post_forward.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +21,7 @@ from .collectives import (
     ReduceScatterResult,
     byte_sources,
     copy_out_all_gather,
+    direct_output,
     finish_reduce_scatter,
     issue_all_gather,
     issue_reduce_scatter,
@@ -271,7 +260,7 @@ class FSDPParamGroup:
             result = issue_all_gather(
                 sources, numels, info.shard_group, info.shard_size, info.shard_rank,
                 torch.uint8 if dtype is None else dtype, self.comm,
-                self.custom_all_gather,
+                self.custom_all_gather, None if as_bytes else direct_output(self.params, self.custom_all_gather),
             )  # fmt: skip
             self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=as_bytes)
         self.trace("all_gather_issue")
@@ -292,12 +281,13 @@ class FSDPParamGroup:
         self.pending_unshard = None
         with self.trace_span("all_gather_wait"):
             output = wait_all_gather(pending.result, self.comm)
+        direct = False  # the output is the parameter itself: [Note: copy-out by views]
         if pending.code_bytes:  # decode every rank's slot, one pass: [Note: quantized collectives]
             policy = self.comm_policy
             kind = policy.all_gather or "int8"
             copy_out_quantized(output, self.params, pending.group_size, pending.code_bytes, kind, policy.block_size)
         else:
-            copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
+            direct = copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         for param in self._extension_params:
@@ -305,7 +295,8 @@ class FSDPParamGroup:
         self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
         if pending.as_bytes and self._reshards_to_post_forward_group():
             self.post_forward_buffer = (self._post_forward_slots(output, pending.group_size), pending.numels)
-        self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
+        if not direct:
+            self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         for param in self.params:
             param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED

@@ -1,5 +1,18 @@
 """``reshard_after_forward=k``: the values a group can take, and the k-rank group it reshards to after
-forward ([Note: post-forward reshard] in group.py)."""
+forward.
+
+[Note: post-forward reshard]
+``reshard_after_forward=k`` (1 < k < shard size, k divides it): after forward each rank keeps its
+torch.chunk piece of the parameters as if sharded over k ranks (its k-1 neighbours in the shard group
+keep the others), so the backward all-gather runs over those k ranks only: less traffic and latency,
+for (shard_size / k) times the sharded bytes held between forward and backward.
+
+A group that all-gathers bytes (several dtypes, or torch's all-gather hooks) has no one-dtype unsharded
+rows to chunk: each rank keeps instead shard_size / k consecutive slots of the forward's all-gather output
+(its rank-major per-rank inputs, hook outputs included), and the k-rank regather puts every slot back in
+place, so the copy-out, and a hook's ``fsdp_post_all_gather`` with the forward's metadata, run as after
+the forward's all-gather (torch's ``fully_shard`` refuses an int for hooked parameters).
+"""
 
 from __future__ import annotations
 

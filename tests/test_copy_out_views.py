@@ -1,0 +1,107 @@
+"""[Note: copy-out by views]: a group of one parameter sharded on dim 0 all-gathers straight into its unsharded
+storage, with no copy-out and no output buffer of its own. DDP parity (uneven rows, fewer rows than ranks,
+bf16 mixed precision against the plain path, CPU offload, reshard_after_forward=2, accumulation), the ops and
+bytes saved counted exactly, and the groups that keep their copy-out. One spawn of 4 gloo ranks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _dist import spawn_checks
+from _models import gpt_batch, gpt_loss, tiny_gpt
+from _parity import full, train_and_compare
+
+import fsdp2lite as fl
+from fsdp2lite._runtime import group as group_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _meters import count_ops  # noqa: E402
+
+
+def shard(**kwargs: object):
+    """The embedding and the head sharded alone (one parameter each, as torchtitan shards them), every block,
+    then the root (the position embedding and the final norm: several parameters)."""
+
+    def apply(model: nn.Module) -> None:
+        fl.fully_shard(model.tok_emb, **kwargs)
+        fl.fully_shard(model.head, **kwargs)
+        for block in model.blocks:
+            fl.fully_shard(block, **kwargs)
+        fl.fully_shard(model, **kwargs)
+
+    return apply
+
+
+class PlainAllGather:
+    """A custom all-gather (torch's protocol) doing what the default does: it keeps a group on the copy-out path."""
+
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN204
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def untied() -> nn.Module:
+    model = tiny_gpt()
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # its own group
+    return model
+
+
+def scenario_parity(rank: int, ws: int) -> None:
+    """fp32 against DDP every step; CPU offload; reshard_after_forward=2 (the backward regathers over 2 ranks:
+    the copy-out path); two microbatches with clipping."""
+    for kwargs, label in (
+        ({}, "plain"),
+        ({"offload_policy": fl.CPUOffloadPolicy(pin_memory=False)}, "offload"),
+        ({"reshard_after_forward": 2}, "reshard to 2"),
+    ):
+        torch.manual_seed(0)
+        train_and_compare(untied(), shard(**kwargs), gpt_batch, gpt_loss, rank, steps=3, label=label)
+    torch.manual_seed(0)
+    train_and_compare(untied(), shard(), gpt_batch, gpt_loss, rank, steps=2, microbatches=2, clip_norm=0.5)
+
+
+def scenario_direct_only_where_it_can(rank: int, ws: int) -> None:
+    """The one-parameter groups gather into their storage (tiny_gpt's vocab 64 over 4 ranks: 16 rows each;
+    bf16 mixed precision too); the blocks and the root copy out. One split_with_sizes_copy per multi-parameter
+    group per unshard, none for the others; bit for bit the copy-out path's gradients."""
+    for mp in (None, fl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+        _check_direct(mp, rank)
+
+
+def _check_direct(mp: fl.MixedPrecisionPolicy | None, rank: int) -> None:
+    torch.manual_seed(0)
+    model, plain = untied(), untied()
+    plain.load_state_dict(model.state_dict())
+    shard(mp_policy=mp)(model)
+    shard(mp_policy=mp)(plain)
+    for module in (plain.tok_emb, plain.head):  # the same groups, forced onto the copy-out path
+        module.set_custom_all_gather(PlainAllGather())
+    directs: list[bool] = []
+    original = group_module.direct_output
+
+    def recording(params, custom):  # noqa: ANN001, ANN202
+        found = original(params, custom)
+        directs.append(found is not None)
+        return found
+
+    group_module.direct_output = recording
+    try:
+        ops = count_ops(lambda: gpt_loss(model, gpt_batch(0, rank)).backward())
+    finally:
+        group_module.direct_output = original
+    assert sum(directs) == 2 * 2, directs  # the embedding and the head, in forward and in backward
+    assert len(directs) >= 2 + len(model.blocks) + 1
+    assert ops["aten::split_with_sizes_copy"] == len(directs) - 4, (ops["aten::split_with_sizes_copy"], directs)
+    gpt_loss(plain, gpt_batch(0, rank)).backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(full(a.grad), full(b.grad)), (mp, name)
+
+
+def test_copy_out_by_views_on_four_ranks() -> None:
+    spawn_checks(4, scenario_parity, scenario_direct_only_where_it_can)
