@@ -49,7 +49,8 @@ def check_parameters(
     """Parameters and mesh a non-default ``sharding`` (or host masters) can take: ValueError naming what cannot."""
     hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
     if policy.nvme_path is not None:
-        check_nvme_path(policy.nvme_path, "CPUOffloadPolicy(optimizer='nvme')")
+        trainable = sum(p.numel() * p.element_size() for _, p, _ in owned if p.requires_grad)
+        check_nvme_path(policy.nvme_path, "CPUOffloadPolicy(optimizer='nvme')", 2 * -(-trainable // info.shard_size))
     if policy.host_masters:
         if hooked:
             raise ValueError(

@@ -167,7 +167,8 @@ def scenario_refusals_change_nothing(rank: int, ws: int) -> None:
     open(afile, "w").close()
     for path, why in ((os.path.join(directory, "missing"), "does not exist"), (afile, "is not a directory")):
         model = UnevenMLP()
-        with pytest.raises(ValueError, match=f"nvme_path '{path}' {why}"):
+        state = 2 * -(-sum(p.numel() * 4 for p in UnevenMLP().parameters()) // ws)  # AdamW, this rank's share
+        with pytest.raises(ValueError, match=rf"nvme_path '{path}' {why} \(it is to hold about {state:,} bytes"):
             fl.fully_shard(model, offload_policy=on_nvme(path))
         assert not isinstance(model, fl.FSDPModule) and not any(isinstance(p, DTensor) for p in model.parameters())
     with mock.patch.object(nvme.os, "access", return_value=False):
