@@ -189,7 +189,8 @@ def time_link(
 def self_check(group: LinkGroup, clock: Clock, setup: Setup, repeats: int = 3) -> dict[str, Any]:
     """An isolated all-gather (a block's bf16 parameters) and reduce-scatter (its fp32 gradients), timed
     against their charge: {kind: {"charged_s", "measured_s", "err"}}."""
-    block_params = sum(p.numel() for p in GPT(dataclasses.replace(setup.model, n_layers=1)).blocks.parameters())
+    with torch.device("meta"):  # sizes only
+        block_params = sum(p.numel() for p in GPT(dataclasses.replace(setup.model, n_layers=1)).blocks.parameters())
     shard = -(-block_params // setup.world_size)
     world = setup.world_size
     gather_in = torch.ones(shard, dtype=torch.bfloat16, device=setup.device)
@@ -300,6 +301,18 @@ def summarize(record: dict[str, Any], device: str) -> dict[str, dict[str, dict[s
                 "exposed_share": share,
             }
     return out
+
+
+TARGETS = (("pcie4", "int8 all-gather", 0.75), ("nvlink4", "default", 1.0), ("nvlink4", "int8 all-gather", 1.03))
+
+
+def targets(summary: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    """The issue's step-time targets against torch (set for the GPU half; on CPU reported for reference)."""
+    return [
+        {"link": link, "policy": policy, "ratio": summary[link][policy]["ratio"], "limit": limit,
+         "ok": summary[link][policy]["ratio"] <= limit, "binding": device == "cuda"}
+        for link, policy, limit in TARGETS if policy in summary.get(link, {})
+    ]  # fmt: skip
 
 
 def emulator_err(record: dict[str, Any]) -> float:
@@ -417,11 +430,19 @@ def main(argv: list[str] | None = None) -> None:
         "setup": dataclasses.asdict(setup), "links": summary, "emulator_err": emulator_err(record),
         "emulator": record["emulator"], "planner": plan, "raw": record["links"], **env,
     }  # fmt: skip
-    console.print(f"emulator_err {result['emulator_err']:.4f} (isolated all-gather and reduce-scatter, worst)")
+    result["targets"] = targets(summary, setup.device)
+    lines = [f"emulator_err {result['emulator_err']:.4f} (isolated all-gather and reduce-scatter, worst)"]
+    lines += [
+        f"target {'PASS' if t['ok'] else 'FAIL'}{'' if t['binding'] else ' (a GPU target; for reference)'}: "
+        f"{t['link']} {t['policy']} {t['ratio']:.3f} <= {t['limit']}"
+        for t in result["targets"]
+    ]
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
     if not args.no_save:
         stem = f"link-{setup.device}-{started:%Y%m%d-%H%M%S}"
         md = f"# bench_link ({setup.device})\n\n{markdown_table(COLUMNS, table_rows(summary, plan))}\n"
-        md += f"\nemulator_err {result['emulator_err']:.4f}\n\n" + environment_markdown(env)
+        md += "\n" + "".join(f"- {line}\n" for line in lines) + "\n" + environment_markdown(env)
         result["files"] = save_run(args.out_dir, stem, result, md)
     print(json.dumps(result, default=str) if args.json else json.dumps(result, indent=1, default=str))
     sys.stdout.flush()

@@ -149,3 +149,38 @@ def _rank(rank: int, world_size: int, init_file: str) -> None:
 def test_emulated_gloo_group_charges_and_serves_both_libraries() -> None:
     init_file = os.path.join(tempfile.mkdtemp(prefix="fsdp2lite_link_"), "pg")
     mp.spawn(_rank, args=(2, init_file), nprocs=2, join=True)
+
+
+# ---- bench_link's own logic (no processes) ---------------------------------------------------------------------
+def test_bench_link_flags_name_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_link
+
+    args = bench_link.parse_args(["--links", "pcie4, nvlink4", "--steps", "3"])
+    assert args.links == ["pcie4", "nvlink4"] and bench_link.setup_from(args).steps == 3
+    assert bench_link.setup_from(args).time_scale == bench_link.SETUPS["cpu"].time_scale
+    for bad, said in ((["--links", "pcie9"], "unknown link 'pcie9'"), (["--links", "none"], "always runs first"),
+                      (["--device", "cuda", "--planner"], "CPU half only")):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            bench_link.parse_args(bad)
+        assert info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_bench_link_ratios_are_per_step_and_exposed_is_a_share() -> None:
+    import bench_link
+
+    def run(steps: list[float], exposed: list[float]) -> dict[str, list[float]]:
+        return {"step_s": steps, "exposed_s": exposed, "loss": [0.0] * len(steps)}
+
+    record = {"links": {"none": {"torch": run([1.0, 2.0, 3.0], [0.1, 0.1, 0.1]),
+                                 "default": run([2.0, 1.0, 3.0], [1.0, 0.5, 0.3])}}}  # fmt: skip
+    cpu = bench_link.summarize(record, "cpu")["none"]["default"]
+    assert cpu["ratio"] == 1.0  # per-step ratios 2, 0.5, 1: a ratio of medians would say 1 too, of means 1
+    assert cpu["exposed_share"] == 0.5 and cpu["exposed_ms"] == 500.0  # shares 0.5, 0.5, 0.1
+    record["links"]["pcie4"] = {"torch": run([2.0, 2.0, 2.0], [0, 0, 0]), "default": run([4.0, 4.0, 4.0], [0, 0, 0])}
+    gpu = bench_link.summarize(record, "cuda")["pcie4"]["default"]  # CUDA: the step beyond the same at "none"
+    assert gpu["exposed_ms"] == 2000.0 and gpu["exposed_share"] == 0.5 and gpu["ratio"] == 2.0
+    record["links"]["pcie4"]["int8 all-gather"] = run([1.0, 1.0, 1.5], [0, 0, 0])  # 0.5, 0.5, 0.75 of torch's
+    record["links"]["none"]["int8 all-gather"] = run([1.0, 1.0, 1.0], [0, 0, 0])
+    checks = bench_link.targets(bench_link.summarize(record, "cuda"), "cuda")
+    assert checks == [{"link": "pcie4", "policy": "int8 all-gather", "ratio": 0.5, "limit": 0.75, "ok": True,
+                       "binding": True}]  # fmt: skip
