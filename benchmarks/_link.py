@@ -45,6 +45,9 @@ Use (one process group per process; the link can change between measurements):
     emulator.set_link("nvlink4"); emulator.exposed_s; emulator.charges
 """
 
+# torch's stubs type ProcessGroup's C++ virtuals (and the fake group's constructor) otherwise than the Python
+# overrides its trampoline calls, which tests/test_link_emulator.py runs on torch 2.11 and 2.13:
+# mypy: disable-error-code="override,assignment,call-arg"
 from __future__ import annotations
 
 import threading
