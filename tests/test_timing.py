@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import fsdp2lite as fl
 from fsdp2lite.config import Plan
-from fsdp2lite.estimate.timing import GPUS, LINKS, CommBytes, comm_bytes, flops_per_token, step_time
+from fsdp2lite.estimate.timing import GPUS, LINKS, CommBytes, Gpu, Link, comm_bytes, flops_per_token, step_time
 
 
 class Block(nn.Module):
@@ -45,8 +45,27 @@ def test_comm_bytes_full_training_counts_padded_buffers() -> None:
         reduce_scatter=2 * 160 + 64,
         collectives=2 * 3 + 2,
         host_bytes=0,
+        forward_collectives=3,  # one all-gather per group in forward
     )
     assert sent.sent_per_rank == 736 // 4 * 3 == 552  # ring: 3 of 4 chunks of every buffer
+
+
+def test_cpu_schedule_hides_only_the_forward_prefetches() -> None:
+    """schedule='cpu': only the forward's all-gathers after the first hide, and only under the forward's
+    compute; on a link slow enough that they exceed it, the forward compute (times overlap) is what hides."""
+    sent = CommBytes(4, 4_000, 4_000, 8_000, 8, 0, forward_collectives=4)  # 4 groups, 3 of 4 chunks sent
+    link = Link(gb_per_s=1e-6, latency_us=1_000.0)  # 1 kB/s: 3 kB forward = 3 s, plus 1 ms a collective
+    gpu = Gpu(tflops=1e-9, mfu=1.0)  # 1 kFLOP/s
+    kwargs = {"params": 100.0, "tokens_per_gpu": 10, "world_size": 4, "link": link, "gpu": gpu, "comm": sent}
+    cuda, cpu = step_time(**kwargs), step_time(**kwargs, schedule="cpu")
+    assert cuda.compute_s == cpu.compute_s == pytest.approx(6.0)  # 10 tokens x 6 x 100 FLOP at 1 kFLOP/s
+    assert cuda.comm_s == cpu.comm_s == pytest.approx(8 * 1e-3 + 12_000 / 1_000)
+    assert cuda.exposed_comm_s == pytest.approx(cuda.comm_s - 0.9 * 6.0)
+    forward_s = 4 * 1e-3 + 3_000 / 1_000
+    hidden = min(forward_s * 3 / 4, 0.9 * (2 * 100 / 600) * 6.0)  # the forward is 2 P of 6 P
+    assert cpu.exposed_comm_s == pytest.approx(cpu.comm_s - hidden) and hidden == pytest.approx(1.8)
+    with pytest.raises(ValueError, match="schedule must be 'cuda' or 'cpu', got 'tpu'"):
+        step_time(**kwargs, schedule="tpu")
 
 
 def test_comm_bytes_frozen_weights_nf4_override() -> None:

@@ -195,6 +195,7 @@ def setting_time(model: Any, config: FSDPConfig, job: SearchJob, finetune: Finet
         link=job.link, gpu=job.gpu, finetune=finetune.kind,  # type: ignore[arg-type]
         nf4=nf4_paths(model) if finetune.kind == "qlora" else (), optimizer=job.common["optimizer"],
         nvme_gb_per_s=NVME_GB_PER_S / job.ranks_per_node,  # one drive per machine
+        schedule="cpu" if job.common["device"] == "cpu" else "cuda",  # what overlaps: the target's defaults
     )  # fmt: skip
 
 

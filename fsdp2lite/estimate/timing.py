@@ -27,6 +27,11 @@ The model (docs/estimate.md, "Step time", checks it against two published runs):
         group computes; ``overlap`` (default 0.9, an assumption, not a measurement) is the share of compute
         that can hide transfers: the first all-gather and the last reduce-scatter of a step wait on nothing.
     step_s = compute_s + exposed_comm_s + nvme_s;  tokens_per_s = world_size * tokens_per_gpu / step_s (the job's)
+    ``schedule="cpu"`` (a gloo job, fsdp2lite's CPU defaults: _runtime/state.py ``schedule_defaults``): the host
+    runs the collectives and the compute, so only the forward's prefetched all-gathers (all but the first) can
+    hide, under the forward's compute; backward's all-gathers are issued after the previous reduce-scatter and
+    each reduce-scatter is waited at once: exposed_comm_s = comm_s + h2d_s - min(forward all-gathers after the
+    first, overlap * forward compute). Checked against the link emulator (benchmarks/bench_link.py --planner).
 
 GPU peaks are the vendors' dense (no sparsity) BF16 tensor-core figures with FP32 accumulation:
     h100, h200  989 TFLOP/s   NVIDIA H100 / H200 SXM datasheets (1,979 "with sparsity")
@@ -115,6 +120,7 @@ class CommBytes:
     collectives: int  # collectives per step (each pays the link's latency)
     host_bytes: int  # bytes over the host link: offloaded shards in at each gather, their grads out
     nvme_bytes: int = 0  # optimizer: nvme: the state read plus the state written, per step
+    forward_collectives: int = 0  # the forward's all-gathers (one per group), of ``collectives``
 
     @property
     def total(self) -> int:
@@ -190,14 +196,18 @@ def step_time(
     host_link: str | Link = "pcie4",
     overlap: float = 0.9,
     nvme_gb_per_s: float = NVME_GB_PER_S,
+    schedule: Literal["cuda", "cpu"] = "cuda",
 ) -> StepTime:
     """One step's time (module docstring). ``trainable_params``: the adapters for lora/qlora (full
     trains all ``params``); ``comm``: from ``comm_bytes`` (None: no collectives, e.g. world size 1);
-    ``nvme_gb_per_s``: this rank's share of its machine's NVMe bandwidth."""
+    ``nvme_gb_per_s``: this rank's share of its machine's NVMe bandwidth; ``schedule``: which device's
+    defaults overlap the collectives (``cpu``: only the forward's prefetched all-gathers)."""
     if world_size < 1 or tokens_per_gpu < 1:
         raise ValueError(f"world_size ({world_size}) and tokens_per_gpu ({tokens_per_gpu}) must be >= 1")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction of compute from 0 to 1, got {overlap}")
+    if schedule not in ("cuda", "cpu"):
+        raise ValueError(f"schedule must be 'cuda' or 'cpu', got {schedule!r}")
     wire, host, device = find_link(link), find_link(host_link), find_gpu(gpu)
     flops = flops_per_token(params, trainable_params, finetune, checkpointing, attention_flops_per_token)
     compute_s = tokens_per_gpu * flops / (device.tflops * 1e12 * device.mfu)
@@ -206,10 +216,24 @@ def step_time(
         if comm.shard > 1:
             comm_s = comm.collectives * wire.latency_us * 1e-6 + comm.sent_per_rank / (wire.gb_per_s * 1e9)
         h2d_s = comm.host_bytes / (host.gb_per_s * 1e9)
-    exposed = max(0.0, comm_s + h2d_s - overlap * compute_s)
+    hidden = overlap * compute_s
+    if schedule == "cpu":
+        forward_share = (2 * params + attention_flops_per_token) / flops
+        hidden = min(_prefetched_s(comm, wire) if comm is not None else 0.0, overlap * forward_share * compute_s)
+    exposed = max(0.0, comm_s + h2d_s - hidden)
     nvme_s = comm.nvme_bytes / (nvme_gb_per_s * 1e9) if comm is not None else 0.0
     step_s = compute_s + exposed + nvme_s
     return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, world_size * tokens_per_gpu / step_s, nvme_s)
+
+
+def _prefetched_s(comm: CommBytes, wire: Link) -> float:
+    """The forward's all-gathers after the first (the ones a CPU schedule prefetches under compute), in
+    seconds on ``wire``: each its latency and its ring bytes, the first's share taken off."""
+    if comm.shard < 2 or comm.forward_collectives < 2:
+        return 0.0
+    sent = comm.all_gather_forward // comm.shard * (comm.shard - 1)
+    forward_s = comm.forward_collectives * wire.latency_us * 1e-6 + sent / (wire.gb_per_s * 1e9)
+    return forward_s * (comm.forward_collectives - 1) / comm.forward_collectives
 
 
 def comm_bytes(
@@ -222,7 +246,7 @@ def comm_bytes(
     4.127 / 8). Ignored parameters are never communicated; a replicate axis' all-reduce is not counted.
     ``optimizer`` sizes an ``optimizer: nvme`` group's state, read and written once per step."""
     overrides = bytes_per_weight or {}
-    forward = backward = reduced = collectives = host = nvme = 0
+    forward = backward = reduced = collectives = host = nvme = gathers = 0
     last = len(plan.groups) - 1
     for index, (group, params) in enumerate(zip(plan.groups, plan.params)):
         if not params:
@@ -254,11 +278,12 @@ def comm_bytes(
         backward += gather if regather else 0
         reduced += scatter
         collectives += 1 + int(regather) + int(scatter > 0)
+        gathers += 1
         if policy.offload.device == "cpu":  # grads out; the stored shard in at each gather (optimizer_only: once)
             host += stored * (1 if policy.offload.optimizer_only else 1 + int(regather)) + scatter // shard
             if policy.offload.optimizer == "nvme":  # the state in, then out
                 nvme += 2 * STATE_TENSORS[optimizer] * trained
-    return CommBytes(shard, forward, backward, reduced, collectives, host, nvme)
+    return CommBytes(shard, forward, backward, reduced, collectives, host, nvme, gathers)
 
 
 def _encoded(
@@ -309,6 +334,7 @@ def plan_step_time(
     nf4: Collection[str] = (),
     optimizer: str = "adamw",
     nvme_gb_per_s: float = NVME_GB_PER_S,
+    schedule: Literal["cuda", "cpu"] = "cuda",
 ) -> StepTime:
     """``step_time`` of a planned model: its parameters and trainable ones counted from the plan, the
     attention term from its shape (``model_shape``), checkpointing from the groups' policies, and the
@@ -331,4 +357,5 @@ def plan_step_time(
         checkpointing=checkpointing,
         attention_flops_per_token=attention_flops(layers, hidden, seq),
         nvme_gb_per_s=nvme_gb_per_s,
+        schedule=schedule,
     )
