@@ -1,7 +1,8 @@
 """[Note: copy-out by views]: a group of one parameter sharded on dim 0 all-gathers straight into its unsharded
 storage, with no copy-out and no output buffer of its own. DDP parity (uneven rows, fewer rows than ranks,
 bf16 mixed precision against the plain path, CPU offload, reshard_after_forward=2, accumulation), the ops and
-bytes saved counted exactly, and the groups that keep their copy-out. One spawn of 4 gloo ranks."""
+bytes saved counted exactly, the groups that keep their copy-out, and the one-op copy-in (the mixed-precision
+cast in the same cat). One spawn of 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -103,5 +104,22 @@ def _check_direct(mp: fl.MixedPrecisionPolicy | None, rank: int) -> None:
         assert torch.equal(full(a.grad), full(b.grad)), (mp, name)
 
 
+def scenario_one_copy_in(rank: int, ws: int) -> None:
+    """An unshard's ops, exactly, with bf16 parameters from fp32 masters: the copy-in is one cat that casts
+    (no separate cast of the shards); a block then copies out once; the embedding gathers into its storage
+    (no buffer, no copy-out)."""
+    mp = fl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = untied()
+    shard(mp_policy=mp)(model)
+    gpt_loss(model, gpt_batch(0, rank)).backward()  # lazy init; every unsharded storage made once
+    for module, expected in (
+        (model.blocks[0], {"aten::empty": 1, "aten::slice": 1, "aten::cat": 1, "c10d::_allgather_base_": 1,
+                           "aten::view": 1, "aten::split_with_sizes_copy": 1}),
+        (model.tok_emb, {"aten::slice": 1, "aten::cat": 1, "c10d::_allgather_base_": 1}),
+    ):  # fmt: skip
+        ops = count_ops(lambda module=module: (module.unshard(), module.reshard()))
+        assert dict(ops) == expected, (type(module).__name__, dict(ops))
+
+
 def test_copy_out_by_views_on_four_ranks() -> None:
-    spawn_checks(4, scenario_parity, scenario_direct_only_where_it_can)
+    spawn_checks(4, scenario_parity, scenario_direct_only_where_it_can, scenario_one_copy_in)
