@@ -54,12 +54,21 @@ def untied() -> nn.Module:
 
 
 def scenario_parity(rank: int, ws: int) -> None:
-    """fp32 against DDP every step; CPU offload; reshard_after_forward=2 (the backward regathers over 2 ranks:
-    the copy-out path); two microbatches with clipping."""
+    """fp32 against DDP every step; CPU offload and host masters; reshard_after_forward=2 (the backward regathers
+    over 2 ranks: the copy-out path); ZeRO-1/2 (resident storage) and HFSDP; two microbatches with clipping."""
     for kwargs, label in (
         ({}, "plain"),
         ({"offload_policy": fl.CPUOffloadPolicy(pin_memory=False)}, "offload"),
         ({"reshard_after_forward": 2}, "reshard to 2"),
+        ({"sharding": fl.ShardingPolicy(shard="optimizer")}, "ZeRO-1/2: the storage kept across steps"),
+        ({"offload_policy": fl.CPUOffloadPolicy(pin_memory=False, optimizer_only=True)}, "host masters"),
+        (
+            {
+                "mesh": fl.init_mesh(replicate=2, shard=2, device_type="cpu"),
+                "sharding": fl.ShardingPolicy(replicate="optimizer"),
+            },
+            "HFSDP",
+        ),
     ):
         torch.manual_seed(0)
         train_and_compare(untied(), shard(**kwargs), gpt_batch, gpt_loss, rank, steps=3, label=label)
