@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from .fused_quantize import run_fused
 
 if TYPE_CHECKING:
     from .param import FSDPParam
@@ -84,7 +85,7 @@ def exchange_rows(
     was sent, the (shard_size, row) buffer being received into, the work)."""
     send = rank_major
     if mode == "int8":
-        codes, scales = encode(rank_major, block, "int8")  # per destination row: its own blocks
+        codes, scales = run_fused("encode", encode, rank_major, block, "int8")  # per destination row: its blocks
         send = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
     received = torch.empty_like(send)
     work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
@@ -99,7 +100,8 @@ def sum_received(received: torch.Tensor, mode: str, group_numel: int, block: int
     code_bytes, blocks = encoded_sizes(group_numel, block)
     codes = received[:, :code_bytes].contiguous().view(torch.int8)
     scales = received[:, code_bytes:].contiguous().view(torch.float32)
-    return decode(codes, scales.view(-1, blocks), block, torch.float32)[:, :group_numel].sum(dim=0).to(dtype)
+    rows = run_fused("decode", decode, codes, scales.view(-1, blocks), block, torch.float32)
+    return rows[:, :group_numel].sum(dim=0).to(dtype)
 
 
 # ---- the quantized all-gather of a group -----------------------------------------------------
@@ -120,7 +122,7 @@ def encode_group(
         segments = torch.split(staging, block_segments(params, block))
         targets = [segment[: p.padded_numel] for segment, p in zip(segments, params)]
         torch._foreach_copy_(targets, [p.flat_shard for p in params], non_blocking=True)
-        codes, scales = encode(staging, block, kind)
+        codes, scales = run_fused("encode", encode, staging, block, kind)  # [Note: fused quantize kernels]
     return [codes.view(torch.uint8), scales.view(torch.uint8)]
 
 
@@ -132,7 +134,7 @@ def copy_out_quantized(
     slots = output.view(group_size, -1)
     codes = slots[:, :code_bytes].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
     scales = slots[:, code_bytes:].view(torch.float32)
-    decoded = decode(codes, scales, block, params[0].param_dtype)  # (group_size, sum of segments)
+    decoded = run_fused("decode", decode, codes, scales, block, params[0].param_dtype)  # (group_size, segments)
     pads = [segment - p.padded_numel for segment, p in zip(block_segments(params, block), params)]
     scratch = torch.empty(group_size, sum(pads), dtype=decoded.dtype, device=decoded.device)
     scratch_views = torch.split(scratch, pads, dim=1)
