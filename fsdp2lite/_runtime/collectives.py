@@ -232,7 +232,10 @@ def wait_all_gather(result: AllGatherResult, comm: Comm) -> torch.Tensor:
 
 def direct_output(params: tuple[FSDPParam, ...], custom: Any) -> torch.Tensor | None:
     """The unsharded storage of a group's one parameter, when the all-gather can write it directly: sharded
-    on dim 0, gathered in its own dtype without hooks or a custom all-gather ([Note: copy-out by views])."""
+    on dim 0, gathered in its own dtype without hooks or a custom all-gather ([Note: copy-out by views]).
+    CUDA: allocated on the compute stream; the copy-in stream waits for everything queued there before it
+    writes (``Comm.on``), and the compute stream waits for the all-gather before it reads ([Note: CUDA buffer
+    lifetime])."""
     if len(params) != 1 or custom is not None:
         return None
     param = params[0]
