@@ -164,3 +164,20 @@ def test_doctor_reports_versions_integrations_and_the_patch_plan(capsys, monkeyp
     assert "torch.distributed.fsdp.fully_shard" in out and "would rebind" in out
     assert "Accelerate FSDP2" in out and "Lightning" in out
     assert torch_fsdp.fully_shard is TORCHS["fully_shard"]  # the plan rebinds nothing
+    assert "host RAM" in out and "locked-memory limit (ulimit -l)" in out and "nvme_path" not in out
+
+
+def test_doctor_checks_an_nvme_path(capsys, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--nvme-path: a writable directory is reported with its free space and filesystem (exit 0); a missing one
+    or a file is named with what is wrong (exit 1)."""
+    from fsdp2lite.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["doctor", "--nvme-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path}: a writable directory" in out and "free there" in out and "filesystem" in out
+    afile = tmp_path / "state.bin"
+    afile.write_text("")
+    for path, why in ((tmp_path / "missing", "does not exist"), (afile, "is not a directory")):
+        assert main(["doctor", "--nvme-path", str(path)]) == 1
+        assert f"--nvme-path: nvme_path '{path}' {why}" in capsys.readouterr().out

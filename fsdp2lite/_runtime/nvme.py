@@ -68,16 +68,16 @@ _hooks: list[Any] = []  # the two global step hooks, registered once per process
 _file_numbers = itertools.count()
 
 
-def check_nvme_path(path: str, owner: str, state_bytes: int) -> None:
-    """ValueError naming ``path`` and the bytes it is for unless it is an existing, writable directory (checked
-    at ``fully_shard``; ``state_bytes``: this rank's AdamW state of the group, about)."""
-    need = f"it is to hold about {state_bytes:,} bytes of optimizer state per rank (AdamW's two moments)"
+def check_nvme_path(path: str, owner: str, state_bytes: int | None = None) -> None:
+    """ValueError naming ``path`` (and the bytes it is for, ``state_bytes``: this rank's AdamW state of the
+    group, about) unless it is an existing, writable directory (checked at ``fully_shard``)."""
+    need = "" if state_bytes is None else f" (it is to hold about {state_bytes:,} bytes of optimizer state per rank)"
     if not os.path.exists(path):
-        raise ValueError(f"{owner}: nvme_path {path!r} does not exist ({need}); create the directory on a fast disk")
+        raise ValueError(f"{owner}: nvme_path {path!r} does not exist{need}; create the directory on a fast disk")
     if not os.path.isdir(path):
-        raise ValueError(f"{owner}: nvme_path {path!r} is not a directory ({need}); give the directory for the files")
+        raise ValueError(f"{owner}: nvme_path {path!r} is not a directory{need}; give the directory for the files")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{owner}: nvme_path {path!r} is not writable by this process ({need}); give a writable one")
+        raise ValueError(f"{owner}: nvme_path {path!r} is not writable by this process{need}; give a writable one")
 
 
 def make_nvme_state(group: FSDPParamGroup) -> None:

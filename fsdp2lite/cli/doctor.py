@@ -1,22 +1,27 @@
-"""``fsdp2lite doctor``: what this environment has: versions, devices and backends, which integrations
-can be imported, and what ``fl.patch()`` would rebind here."""
+"""``fsdp2lite doctor``: what this environment has: versions, devices and backends, host memory for CPU
+offload (RAM, the locked-memory limit; ``--nvme-path DIR``: whether optimizer state can live there), which
+integrations can be imported, and what ``fl.patch()`` would rebind here."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.metadata
+import os
 import platform
+import shutil
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from .. import __version__
+from .._units import human_bytes
 
 DESCRIPTION = (
     "Print versions (Python, torch, fsdp2lite and the libraries it works with), devices and process-group "
-    "backends, which integrations are importable, and what fsdp2lite.patch() would rebind in this process."
+    "backends, host memory for CPU offload (and, with --nvme-path, whether optimizer state can live there), "
+    "which integrations are importable, and what fsdp2lite.patch() would rebind in this process."
 )
 PACKAGES = ("torch", "pydantic", "transformers", "accelerate", "pytorch-lightning", "lightning", "torchao",
             "safetensors", "trl", "torchtitan", "torchtune")  # fmt: skip
@@ -32,15 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--import-tools", action="store_true", help="import the tools first, so the patch plan covers them"
     )
+    parser.add_argument(
+        "--nvme-path", metavar="DIR", help="check DIR for optimizer state on NVMe (offload: {optimizer: nvme}): "
+        "that it is a writable directory, its free space and its filesystem; exit 1 when it cannot serve",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(_versions())
     console.print(_devices())
+    host, usable = _host(args.nvme_path)
+    console.print(host)
     console.print(_integrations(args.import_tools))
     console.print(_patch_plan())
-    return 0
+    return 0 if usable else 1
 
 
 def _version(package: str) -> str:
@@ -77,6 +88,54 @@ def _devices() -> Table:
         available = dist.is_available() and getattr(dist, check, lambda: False)()
         table.add_row(f"backend {backend}", "yes" if available else "no")
     return table
+
+
+def _host(nvme_path: str | None) -> tuple[Table, bool]:
+    """Host RAM, the locked-memory limit (pinning can fail under it: [Note: pinning fails]) and, with
+    ``nvme_path``, that directory's fitness for optimizer state; and whether that directory can serve."""
+    table = Table(title="host memory and NVMe (CPU offload)")
+    table.add_column("what")
+    table.add_column("here")
+    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    table.add_row("host RAM", human_bytes(pages * page) if pages > 0 and page > 0 else "unknown")
+    table.add_row("locked-memory limit (ulimit -l)", _memlock())
+    if nvme_path is None:
+        return table, True
+    from .._runtime.nvme import check_nvme_path
+
+    try:
+        check_nvme_path(nvme_path, "--nvme-path")
+    except ValueError as exc:
+        table.add_row("nvme_path", f"[red]{exc}[/red]")
+        return table, False
+    table.add_row("nvme_path", f"{os.path.abspath(nvme_path)}: a writable directory")
+    table.add_row("free there", human_bytes(shutil.disk_usage(nvme_path).free))
+    table.add_row("filesystem", _filesystem(nvme_path))
+    return table, True
+
+
+def _memlock() -> str:
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return "unknown"
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else human_bytes(soft)
+
+
+def _filesystem(path: str) -> str:
+    """The filesystem type of ``path``'s mount (Linux ``/proc/mounts``); tmpfs is RAM, not a disk."""
+    target, best = os.path.realpath(path), ("", "unknown")
+    try:
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3 and (target + "/").startswith(fields[1].rstrip("/") + "/"):
+                    best = max(best, (fields[1], fields[2]), key=lambda m: len(m[0]))
+    except OSError:
+        return "unknown"
+    kind = best[1]
+    return f"{kind} (RAM, not a disk: the state would take host memory)" if kind in ("tmpfs", "ramfs") else kind
 
 
 def _integrations(import_tools: bool) -> Table:
