@@ -91,7 +91,16 @@ def scenario_bitwise_in_memory(rank: int, ws: int) -> None:
             if index == 2 and label == "AdamW":  # state written by hand between steps is the state the step uses
                 for o, m in zip(opts, (memory, disk)):
                     o.state[next(m.parameters())]["exp_avg"] = torch.zeros_like(next(m.parameters()))
-            losses = [step(m, o, index, rank) for m, o in zip((memory, disk), opts)]
+            if index == 3:  # the trace: per group, the read it waited on, its step, its write
+                losses = [step(memory, opts[0], index, rank)]
+                with fl.record_trace(disk) as trace:
+                    losses.append(step(disk, opts[1], index, rank))
+                events = [(e.name, e.group) for e in trace.events if e.name.startswith(("nvme", "optimizer"))]
+                order = [name for name, group in events if group == "blocks.0"]
+                assert order == ["nvme_read_wait", "optimizer_step", "nvme_write_issue"], (label, events)
+                assert len(events) == 3 * len(param_bytes(disk)), (label, events)  # every group, once
+            else:
+                losses = [step(m, o, index, rank) for m, o in zip((memory, disk), opts)]
             assert torch.equal(losses[0], losses[1]), (label, index)
             for (name, a), b in zip(memory.named_parameters(), disk.parameters()):
                 assert torch.equal(full(a), full(b)), (label, index, name)

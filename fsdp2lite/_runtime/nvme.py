@@ -114,6 +114,7 @@ class Unit:
     params: tuple[torch.Tensor, ...]
     directory: str
     pin: bool
+    group: Any  # the fsdp2lite group: its trace records the unit's read wait, step and write
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -236,11 +237,14 @@ class NVMeOptimizerState:
         try:
             reading = self._read(optimizer, units[0], 0)
             for index, unit in enumerate(units):
-                self._install(optimizer, reading)
+                with unit.group.trace_span("nvme_read_wait"):  # the I/O the previous group's step did not hide
+                    self._install(optimizer, reading)
                 if index + 1 < len(units):  # overlaps this group's step ([Note: optimizer state on NVMe])
                     reading = self._read(optimizer, units[index + 1], (index + 1) % 2)
-                self._step_only(optimizer, unit, saved)
+                with unit.group.trace_span("optimizer_step"):
+                    self._step_only(optimizer, unit, saved)
                 self._write(optimizer, unit.params)
+                unit.group.trace("nvme_write_issue")
         finally:
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = params
@@ -452,7 +456,11 @@ def _units(optimizer: torch.optim.Optimizer) -> tuple[list[Unit], dict[str, list
             if param.grad is not None:
                 by_group.setdefault(id(group), []).append(param)
                 policies[id(group)] = policy
-    units = [Unit(tuple(params), policies[key].nvme_path, policies[key].pin_memory) for key, params in by_group.items()]
+    groups = {id(group): group for group in list(_nvme_groups)}
+    units = [
+        Unit(tuple(params), policies[key].nvme_path, policies[key].pin_memory, groups[key])
+        for key, params in by_group.items()
+    ]
     return units, trainable
 
 
