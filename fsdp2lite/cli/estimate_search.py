@@ -155,9 +155,12 @@ def evaluate(
     finetune = Finetune(settings["finetune"], job.finetune.rank, job.finetune.targets)
     cache = caches.setdefault(finetune.adapters, {})
     factory = planned_factory(job.factory, finetune)
-    keys = ("world_size", "rank", "inputs", "batch", "seq", "optimizer", "device")
+    common = job.common
     try:
-        estimate = analytic_estimate(factory, config, *(job.common[k] for k in keys), cache=cache, finetune=finetune)
+        estimate = analytic_estimate(
+            factory, config, common["world_size"], common["rank"], common["inputs"], common["batch"],
+            common["seq"], common["optimizer"], common["device"], cache=cache, finetune=finetune,
+        )  # fmt: skip
     except (ValueError, TypeError) as exc:
         raise UsageError(f"cannot estimate {job.spec}: {exc}", prog="fsdp2lite estimate") from None
     model = cache["model"]
@@ -260,8 +263,8 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
         reduce_dtype = policy.mixed_precision.reduce_dtype or param_dtype
         numel = sum(p.numel() for p in params.values())
         trained = sum(p.numel() for p in params.values() if p.requires_grad)
-        gather = numel * (element_size(param_dtype) if param_dtype is not None else 4)
-        reduce = trained * (element_size(reduce_dtype) if reduce_dtype is not None else 4)
+        gather: float = numel * (element_size(param_dtype) if param_dtype is not None else 4)
+        reduce: float = trained * (element_size(reduce_dtype) if reduce_dtype is not None else 4)
         comm = policy.communication  # CommPolicy: int8/fp8 codes plus one fp32 scale per block
         if comm.all_gather is not None:
             gather = numel * (1 + 4 / comm.block_size)

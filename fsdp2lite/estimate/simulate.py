@@ -100,8 +100,9 @@ def simulate_estimate(
     if replays is None:
         return estimate
     reserved = from_replay(estimate.peak_bytes, *replays)
-    fields = {"reserved_bytes": reserved.reserved_bytes, "reserved_expandable_bytes": reserved.expandable_bytes}
-    return replace(estimate, **fields)
+    return replace(
+        estimate, reserved_bytes=reserved.reserved_bytes, reserved_expandable_bytes=reserved.expandable_bytes
+    )
 
 
 def _planned(
