@@ -24,16 +24,32 @@ per-parameter ops against the fused kernel's one); the bytes of gradient shards 
 rank's: step_in_backward has stepped and freed them all); every step's loss (mean over ranks) and its largest difference
 from torch's (the fused and the for-loop step round differently: below 1e-6 on a loss near 9 at the start).
 
-Why: issue 33's target, the host step at most 0.5x torch's, and what it does to the whole step, in one run.
+Fake-world half (``--device cuda``, or ``--fake-world`` on CPU: the same code without a GPU): one process, rank 0
+of a fake process group of ``--world-size`` (default 8; ``torch.testing._internal.distributed.fake_pg``), the model
+built on the device, every shard with its real size for that world offloaded to host memory: pinned on a GPU
+(``fl.CPUOffloadPolicy(pin_memory=True)`` against torch's ``CPUOffloadPolicy(pin_memory=True)``), pageable on CPU;
+bf16 parameters and fp32 reduction (``MixedPrecisionPolicy`` on both); the same five runs, the rival's AdamW with
+``foreach=True``. On cuda the defaults are the H100 evidence run's GPT (gpu-2026-11-24, "340M (4 layers)": d 2048, 4
+layers, 16 heads, vocab 32768, untied, seq 2048, batch 4). Per run and step, interleaved as above, with
+``torch.cuda.synchronize()`` before each step and before its clock stops: the whole step and ``optimizer.step()``
+(host work: both runtimes have the gradients on the host when backward returns); the ops and gradient bytes as
+above, rank 0's. The fake group's collectives move no data, so the losses are garbage: not reported, not compared
+([Note: bench_offload on a fake process group] in _offload_fake.py).
+
+Why: issue 33's target, the host step at most 0.5x torch's, and what it does to the whole step, in one run; on a GPU,
+what it does to a step whose forward and backward are off the host.
 step_in_backward has no host step of its own to time (its steps are inside backward): its step time says what it
 costs, its gradient bytes what it saves.
 
-How to run (about 40 s on a 2-core machine with the defaults):
+How to run (about 40 s on a 2-core machine with the defaults; the GPU half about 1 minute on an H100):
     .venv/bin/python benchmarks/bench_offload.py [--steps 10] [--warmup 2] [--world-size 2] [--layers 4]
         [--d-model 512] [--heads 8] [--vocab 8192] [--seq-len 64] [--batch 1]
         [--out-dir benchmarks/results] [--no-save]
+    python benchmarks/bench_offload.py --device cuda [--steps 10] [--world-size 8] [...]   # a CUDA machine
+    .venv/bin/python benchmarks/bench_offload.py --fake-world [--world-size 8] [...]      # its code path on CPU
 Prints a rich table and, last, one JSON line; unless --no-save, writes ``<out-dir>/offload-cpu-<YYYYmmdd-HHMMSS>``
-``.json`` (every number, machine, versions, command line) and ``.md``. Do not launch it with torchrun.
+``.json`` (every number, machine, versions, command line) and ``.md`` (fake world: ``offload-<device>-fake<N>-...``).
+Do not launch it with torchrun.
 """
 
 from __future__ import annotations
@@ -45,128 +61,32 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from _meters import count_ops  # benchmarks/ is sys.path[0] when run as a script
+from _offload_fake import measure_fake  # benchmarks/ is sys.path[0] when run as a script
+from _offload_runs import LR, MAIN, RIVAL, SETUPS, Setup, build, extra_step, group_flags
+from _offload_runs import Run as Run  # bench_offload_memory.py imports these three from here
+from _offload_runs import make_batch as make_batch
+from _offload_runs import time_interleaved as time_interleaved
 from _results import environment, environment_markdown, markdown_table, save_run
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
 from rich.table import Table
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp2lite as fl
 from fsdp2lite._spawn import exit_rank_process
 from fsdp2lite.models import GPT, GPTConfig
-from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 
-DEVICE = "cpu"
-LR = 1e-4
 TARGET = 0.5  # issue 33: host step fsdp2lite + fast_host_step / torch
-RIVAL = "torch"
 MIB = 2**20
-Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens (batch, seq), targets (batch, seq))
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One way to shard and step the model."""
-
-    name: str  # row label and JSON key
-    library: str  # "fsdp2lite" or "torch"
-    step: str  # "loop": AdamW as torch picks it; "fused": fast_host_step(AdamW); "in_backward": step_in_backward
-
-
-SETUPS = (
-    Setup("fsdp2lite + fast_host_step", "fsdp2lite", "fused"),
-    Setup(RIVAL, "torch", "loop"),
-    Setup("fsdp2lite + AdamW", "fsdp2lite", "loop"),
-    Setup("torch + fast_host_step", "torch", "fused"),
-    Setup("fsdp2lite + step_in_backward", "fsdp2lite", "in_backward"),
-)
-MAIN = SETUPS[0].name  # the row the target is about
-
-
-class Run(NamedTuple):
-    model: GPT  # sharded as its setup says
-    optimizers: list[torch.optim.Optimizer]  # one; step_in_backward: one per group, stepped inside backward
-    step_after_backward: bool  # False: step_in_backward's hooks step
-    losses: list[float]  # every step's, on this rank
-
-
-def build(setup: Setup, config: GPTConfig, mesh: DeviceMesh) -> Run:
-    """The GPT (seed 0), every block then the root sharded with CPU offload; AdamW as ``setup.step`` says."""
-    torch.manual_seed(0)
-    model = GPT(config)
-    for module in [*model.blocks, model]:
-        if setup.library == "fsdp2lite":
-            fl.fully_shard(module, mesh, offload_policy=fl.CPUOffloadPolicy(pin_memory=False))
-        else:
-            torch_fully_shard(module, mesh=mesh, offload_policy=TorchCPUOffloadPolicy(pin_memory=False))
-    if setup.step == "in_backward":
-        handle = step_in_backward(model, lambda params: fast_host_step(torch.optim.AdamW(params, lr=LR)))
-        return Run(model, handle.optimizers, False, [])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    return Run(model, [fast_host_step(optimizer) if setup.step == "fused" else optimizer], True, [])
-
-
-def make_batch(config: GPTConfig, batch: int, rank: int) -> Batch:
-    """Fixed per rank, the same for every run."""
-    tokens = torch.randint(
-        0, config.vocab_size, (batch, config.seq_len + 1), generator=torch.Generator().manual_seed(rank)
-    )
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def train_step(run: Run, batch: Batch) -> tuple[float, float]:
-    """One step; (whole step, ``optimizer.step()``) in seconds, the second NaN when backward stepped. The loss is
-    kept."""
-    start = time.perf_counter()
-    loss = run.model.loss(*batch)
-    loss.backward()
-    step_start = time.perf_counter()
-    if run.step_after_backward:
-        (optimizer,) = run.optimizers
-        optimizer.step()
-    step_end = time.perf_counter()
-    for optimizer in run.optimizers:
-        optimizer.zero_grad()
-    end = time.perf_counter()
-    run.losses.append(loss.item())
-    return end - start, step_end - step_start if run.step_after_backward else float("nan")
-
-
-def time_interleaved(runs: list[Run], batch: Batch, warmup: int, steps: int) -> torch.Tensor:
-    """Seconds (run, step, [whole, host step]) on this rank after ``warmup`` steps; step i of every run in turn."""
-    times = torch.zeros(len(runs), steps, 2, dtype=torch.float64)
-    for step in range(-warmup, steps):
-        for index, run in enumerate(runs):
-            dist.barrier()  # every rank starts the step together
-            measured = train_step(run, batch)
-            if step >= 0:
-                times[index, step] = torch.tensor(measured, dtype=torch.float64)
-    return times
-
-
-def extra_step(run: Run, batch: Batch) -> tuple[dict[str, int] | None, int]:
-    """One more step, metered: (aten ops its ``optimizer.step()`` dispatches, by name, a DTensor op counted once;
-    None when backward steps, its ops being among backward's) and the bytes of gradients alive after backward
-    (local shards: what the host holds between backward and the step)."""
-    loss = run.model.loss(*batch)
-    loss.backward()
-    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
-    grad_bytes = sum(g.to_local().nbytes if isinstance(g, DTensor) else g.nbytes for g in grads)
-    ops = dict(count_ops(run.optimizers[0].step)) if run.step_after_backward else None
-    for optimizer in run.optimizers:
-        optimizer.zero_grad()
-    run.losses.append(loss.item())
-    return ops, grad_bytes
+DEFAULTS = {  # per --device: the model, sequences per rank, world size; cuda: the H100 evidence run's 340M GPT
+    "cpu": {"layers": 4, "d_model": 512, "heads": 8, "vocab": 8192, "seq_len": 64, "batch": 1, "tie": True},
+    "cuda": {"layers": 4, "d_model": 2048, "heads": 16, "vocab": 32768, "seq_len": 2048, "batch": 4, "tie": False},
+}
 
 
 def measure_rank(
@@ -174,7 +94,7 @@ def measure_rank(
 ) -> dict[str, Any]:
     """Every run built, timed interleaved, then one metered step each; times and bytes max, losses mean over the
     ranks."""
-    mesh = init_device_mesh(DEVICE, (world_size,), mesh_dim_names=("shard",))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
     batch = make_batch(config, batch_size, rank)
     runs = [build(setup, config, mesh) for setup in SETUPS]
     times = time_interleaved(runs, batch, warmup, steps)
@@ -191,16 +111,8 @@ def measure_rank(
         "losses": {s.name: (losses[i] / world_size).tolist() for i, s in enumerate(SETUPS)},
         "rank0_step_ops": {s.name: ops[i] for i, s in enumerate(SETUPS)},
         "grad_bytes_after_backward": {s.name: largest_grads[i].item() for i, s in enumerate(SETUPS)},
-        "param_groups": {s.name: _group_flags(run.optimizers) for s, run in zip(SETUPS, runs)},
+        "param_groups": {s.name: group_flags(run.optimizers) for s, run in zip(SETUPS, runs)},
     }
-
-
-def _group_flags(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
-    return [
-        {"params": len(g["params"]), "fused": g["fused"], "foreach": g["foreach"]}
-        for optimizer in optimizers
-        for g in optimizer.param_groups
-    ]
 
 
 def _rank_entry(
@@ -227,7 +139,8 @@ def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
     """One run's numbers (ms, MiB) and its time ratios against torch (medians of per-step ratios). Host-step fields
     are None for step_in_backward (its steps are inside backward)."""
     whole, host = result["step_s"][setup.name], result["host_step_s"][setup.name]
-    losses, rival = result["losses"][setup.name], result["losses"][RIVAL]
+    losses = result["losses"][setup.name] if result["losses"] else None  # None: fake collectives, garbage values
+    rival = result["losses"][RIVAL] if result["losses"] else None
     ops = result["rank0_step_ops"][setup.name]
     after = setup.step != "in_backward"
     return {
@@ -241,8 +154,14 @@ def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
         "rank0_ops_per_host_step": sum(ops.values()) if ops else None,
         "rank0_fused_adamw_calls": ops.get("aten::_fused_adamw_", 0) if ops else None,
         "grads_mib_after_backward": result["grad_bytes_after_backward"][setup.name] / MIB,
-        "losses": losses, "max_loss_diff_vs_torch": max(abs(a - b) for a, b in zip(losses, rival, strict=True)),
+        "losses": losses, "max_loss_diff_vs_torch": _max_diff(losses, rival),
     }  # fmt: skip
+
+
+def _max_diff(losses: list[float] | None, rival: list[float] | None) -> float | None:
+    if losses is None or rival is None:
+        return None
+    return max(abs(a - b) for a, b in zip(losses, rival, strict=True))
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace, config: GPTConfig, load: float) -> dict[str, Any]:
@@ -250,10 +169,21 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, config: GPTConfi
     host_ratio, step_ratio = rows[MAIN]["host_step_vs_torch"], rows[MAIN]["step_vs_torch"]
     return {
         "model": asdict(config), "n_params": result["n_params"], "batch_per_rank": args.batch,
-        "world_size": args.world_size, "backend": "gloo", "device": DEVICE, "optimizer": f"AdamW lr {LR}, fp32",
+        "world_size": args.world_size, "backend": "fake" if args.fake_world else "gloo", "device": args.device,
+        "optimizer": f"AdamW lr {LR}, fp32" + ("; the loop rows foreach=True" if args.fake_world else ""),
+        **(_fake_fields(result, args) if args.fake_world else {}),
         "warmup": args.warmup, "steps": args.steps, "load_average_at_start": load,  # well above 0: a shared machine
         "runs": rows, "host_step_ratio": host_ratio, "step_ratio": step_ratio,
         "target": {"what": f"host step {MAIN} / {RIVAL} <= {TARGET}", "value": host_ratio, "ok": host_ratio <= TARGET},
+    }  # fmt: skip
+
+
+def _fake_fields(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """What only the fake-world half has ([Note: bench_offload on a fake process group] in _offload_fake.py)."""
+    return {
+        "precision": "bf16 parameters, fp32 reduction, fp32 masters and AdamW state on the host",
+        "pin_memory": args.device == "cuda", "losses_reported": False,  # fake collectives: garbage values
+        **{key: result[key] for key in ("gpu", "host_threads", "denormals_flushed")},
     }  # fmt: skip
 
 
@@ -273,11 +203,18 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
             name, _fmt(row["step_ms_median"], 1), _fmt(row["step_vs_torch"], 3), _fmt(row["host_step_ms_median"], 2),
             _fmt(row["host_step_vs_torch"], 3), _fmt(row["host_share_of_step"], 3),
             "-" if row["rank0_ops_per_host_step"] is None else str(row["rank0_ops_per_host_step"]),
-            _fmt(row["grads_mib_after_backward"], 2), f"{row['losses'][-1]:.6f}",
-            f"{row['max_loss_diff_vs_torch']:.1e}",
+            _fmt(row["grads_mib_after_backward"], 2), _fmt(row["losses"][-1] if row["losses"] else None, 6),
+            "-" if row["max_loss_diff_vs_torch"] is None else f"{row['max_loss_diff_vs_torch']:.1e}",
         ]
         for name, row in summary["runs"].items()
     ]  # fmt: skip
+
+
+def _ranks(summary: dict[str, Any]) -> str:
+    if summary["backend"] == "gloo":
+        return f"{summary['world_size']} gloo ranks"
+    where = summary["gpu"] or "CPU"
+    return f"rank 0 of a fake group of {summary['world_size']} on {where}, {summary['precision']}"
 
 
 def title(summary: dict[str, Any]) -> str:
@@ -285,7 +222,7 @@ def title(summary: dict[str, Any]) -> str:
     return (
         f"CPU offload host step: GPT d{model['d_model']} x {model['n_layers']} layers, vocab {model['vocab_size']}, "
         f"seq {model['seq_len']} ({summary['n_params'] / 1e6:.1f}M params), batch {summary['batch_per_rank']} per "
-        f"rank, {summary['world_size']} gloo ranks, {summary['steps']} steps after {summary['warmup']} warm-up"
+        f"rank, {_ranks(summary)}, {summary['steps']} steps after {summary['warmup']} warm-up"
     )
 
 
@@ -302,6 +239,15 @@ def notes(summary: dict[str, Any]) -> list[str]:
         "host step is part of its step time",
         f"param groups (params, fused, foreach): {groups}",
         f"load average at start {summary['load_average_at_start']:.2f}",
+    ] + (fake_notes(summary) if summary["backend"] == "fake" else [])
+
+
+def fake_notes(summary: dict[str, Any]) -> list[str]:
+    sync = "torch.cuda.synchronize() before each step and before its clock stops; " if summary["gpu"] else ""
+    return [
+        f"fake process group: its collectives move no data, so the losses are garbage and not reported (nor "
+        f"compared); times and bytes are rank 0's of {summary['world_size']}, communication left out; {sync}"
+        f"host threads {summary['host_threads']}, denormals flushed: {summary['denormals_flushed']}",
     ]
 
 
@@ -320,26 +266,32 @@ def markdown(summary: dict[str, Any], env: dict[str, Any]) -> str:
     bullets = "".join(f"- {line}\n" for line in notes(summary))
     return (
         f"# bench_offload on {summary['device']}\n\n{title(summary)}; {summary['optimizer']}; parameters, gradients "
-        "and optimizer state on the host in every run. Times are the slowest rank's; ratios are medians of per-step "
-        f"ratios against torch.\n\n{markdown_table(COLUMNS, table_rows(summary))}\n{bullets}\n"
+        "and optimizer state on the host in every run. Times are the slowest rank's (fake group: rank 0's); ratios "
+        f"are medians of per-step ratios against torch.\n\n{markdown_table(COLUMNS, table_rows(summary))}\n{bullets}\n"
         f"{environment_markdown(env)}"
     )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=tuple(DEFAULTS), default="cpu", help="cuda: the fake-world half on a GPU")
+    parser.add_argument("--fake-world", action="store_true", help="one process, rank 0 of a fake group (cuda: always)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (lazy init, state allocation)")
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (one thread each)")
-    parser.add_argument("--layers", type=int, default=4, help="GPT blocks, each its own group")
-    parser.add_argument("--d-model", type=int, default=512, help="model width")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads (d-model must be a multiple)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (tied embedding and head)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--world-size", type=int, help="gloo ranks, one thread each (default 2); fake world (8)")
+    parser.add_argument("--layers", type=int, help="GPT blocks, each its own group (default 4)")
+    parser.add_argument("--d-model", type=int, help="model width (default cpu 512, cuda 2048)")
+    parser.add_argument("--heads", type=int, help="attention heads, d-model a multiple (default cpu 8, cuda 16)")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default cpu 8192, tied; cuda 32768, untied)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default cpu 64, cuda 2048)")
+    parser.add_argument("--batch", type=int, help="sequences per rank per step (default cpu 1, cuda 4)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true", help="print only, write no files")
     args = parser.parse_args(argv)
+    args.fake_world = args.fake_world or args.device == "cuda"
+    for flag, value in {**DEFAULTS[args.device], "world_size": 8 if args.fake_world else 2}.items():
+        if getattr(args, flag, None) is None:
+            setattr(args, flag, value)
     for flag in ("steps", "warmup", "layers", "d_model", "heads", "vocab", "seq_len", "batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -350,19 +302,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def measure(args: argparse.Namespace, config: GPTConfig, console: Console) -> dict[str, Any]:
+    """The gloo half (a spawn of ranks) or the fake-world half (this process)."""
+    what = f"{len(SETUPS)} runs, {args.warmup} + {args.steps} steps"
+    if not args.fake_world:
+        with console.status(f"{args.world_size} gloo ranks, {what}"):
+            return run_ranks(args.world_size, config, args.batch, args.warmup, args.steps)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_offload.py --device cuda needs a CUDA device (--fake-world runs it on CPU)")
+    with console.status(f"rank 0 of a fake group of {args.world_size} on {args.device}, {what}"):
+        return measure_fake(args.device, args.world_size, config, args.batch, args.warmup, args.steps)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     started, start = datetime.datetime.now(), time.perf_counter()
     console = Console() if Console().is_terminal else Console(width=200)  # piped or logged: one line per row
     env, load = environment(started), os.getloadavg()[0]  # the code that runs and the machine's load, before the run
-    config = GPTConfig(args.vocab, args.seq_len, args.d_model, args.heads, args.layers, tie_embeddings=True)
-    with console.status(f"{args.world_size} gloo ranks, {len(SETUPS)} runs, {args.warmup} + {args.steps} steps"):
-        result = run_ranks(args.world_size, config, args.batch, args.warmup, args.steps)
+    config = GPTConfig(args.vocab, args.seq_len, args.d_model, args.heads, args.layers, tie_embeddings=args.tie)
+    result = measure(args, config, console)
     summary = summarize(result, args, config, load)
     render(console, summary)
     files = []
     if not args.no_save:
-        stem = f"offload-{DEVICE}-{started:%Y%m%d-%H%M%S}"
+        fake = f"-fake{args.world_size}" if args.fake_world else ""
+        stem = f"offload-{args.device}{fake}-{started:%Y%m%d-%H%M%S}"
         files = save_run(args.out_dir, stem, {**env, **summary}, markdown(summary, env))
         for path in files:
             console.print(f"wrote {path}", highlight=False)

@@ -45,4 +45,7 @@ step fused-quantize "$python" -m pytest -q tests/test_fused_quantize.py -p no:ca
 step offload-memory "$python" benchmarks/bench_offload_memory.py --device cuda --out-dir "$out"
 # 3. step time at each emulated link, fsdp2lite's policies against torch's fully_shard (issue 34, item 2)
 step link "$python" benchmarks/bench_link.py --device cuda --links pcie4,nvlink4 --json --out-dir "$out"
+# 4. host step and whole step against torch's CPUOffloadPolicy + foreach AdamW, 340M GPT at fake world 8 (issue 33,
+#    item 2; about 1 minute)
+step offload-step "$python" benchmarks/bench_offload.py --device cuda --steps 8 --out-dir "$out"
 exit "$status"

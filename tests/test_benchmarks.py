@@ -332,3 +332,53 @@ def test_bench_offload_memory_gpu_half_measures_pinned_bytes(capsys: pytest.Capt
             row["stepped"]["pinned_bytes"] > 0 and row["stepped"]["allocator_bytes"] >= row["built"]["allocator_bytes"]
         )
     assert record["pinned_ratio"] > 0 and record["target"]["ok"] == (record["pinned_ratio"] <= 0.6)
+
+
+# ---- bench_offload.py's fake-world half (the code --device cuda runs on a GPU) --------------------------------------
+
+
+def test_bench_offload_fake_world_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """One process, rank 0 of a fake group of 8 on CPU, bf16 parameters, fp32 reduction: every run timed; the fused
+    runs call the kernel once per step, the rival steps foreach; gradient shards are exactly an eighth of the fp32
+    gradients (every dim 0 divides by 8); no losses (fake collectives move no data); denormals flushed only for the
+    run; --device cuda's defaults are the H100 evidence run's 340M GPT, and without CUDA it refuses."""
+    import json
+    import statistics
+
+    import bench_offload
+    import torch
+    from _offload_fake import _n_params
+
+    from fsdp2lite.models import GPTConfig
+
+    argv = ["--fake-world", "--steps", "2", "--warmup", "1", *TINY_GPT, "--no-save"]
+    record = bench_offload.main(argv)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"] == record["runs"]
+    assert (record["backend"], record["device"], record["world_size"], record["files"]) == ("fake", "cpu", 8, [])
+    assert record["pin_memory"] is False and record["losses_reported"] is False and record["gpu"] is None
+    assert record["n_params"] == _n_params(GPTConfig(64, 16, 32, 2, 1, tie_embeddings=True))
+    runs = record["runs"]
+    assert list(runs) == [setup.name for setup in bench_offload.SETUPS]
+    for name, row in runs.items():
+        assert len(row["step_ms"]) == 2 and row["losses"] is None and row["max_loss_diff_vs_torch"] is None, name
+        if row["step"] == "in_backward":
+            assert row["grads_mib_after_backward"] == 0 and len(row["param_groups"]) == 2, name  # root, one block
+            continue
+        fused = row["step"] == "fused"
+        assert row["param_groups"] == [{"params": 16, "fused": True if fused else None, "foreach": not fused}], name
+        assert row["rank0_fused_adamw_calls"] == int(fused), name
+        assert row["grads_mib_after_backward"] * 2**20 == record["n_params"] * 4 / 8, name
+    fast, torch_row = runs[bench_offload.MAIN], runs[bench_offload.RIVAL]
+    ratios = [a / b for a, b in zip(fast["host_step_ms"], torch_row["host_step_ms"], strict=True)]
+    assert record["host_step_ratio"] == pytest.approx(statistics.median(ratios))
+    assert record["target"]["ok"] == (record["host_step_ratio"] <= bench_offload.TARGET)
+    assert torch.tensor([1e-39]).mul(1.0).item() != 0  # subnormals kept again after the run
+    cuda = bench_offload.parse_args(["--device", "cuda"])
+    assert (cuda.fake_world, cuda.world_size, cuda.d_model, cuda.layers, cuda.seq_len, cuda.batch) == (
+        True, 8, 2048, 4, 2048, 4,
+    )  # fmt: skip
+    config = GPTConfig(cuda.vocab, cuda.seq_len, cuda.d_model, cuda.heads, cuda.layers, tie_embeddings=cuda.tie)
+    assert round(_n_params(config) / 1e6, 1) == 339.8  # gpu-2026-11-24's "340M (4 layers)"
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            bench_offload.main(["--device", "cuda", *TINY_GPT, "--no-save"])
