@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks still owed by issues 33 and 34, as one command for a session that is lent a GPU (the device
-# tool's `run`; about 8-10 minutes on one H100 with torch 2.11). Everything it writes goes to $OUT (default
-# ./gpu-out): each step's log and its benchmark JSON. A step that fails does not stop the others; the exit
-# status is the first failure's.
+# tool's `run`; estimated 9-11 minutes on one H100 with torch 2.11, never yet timed: one device call may run at
+# most 10, so run it in two calls, `bash scripts/gpu_checks.sh gpu-tests fused-quantize offload-memory` and
+# `bash scripts/gpu_checks.sh link offload-step`). Arguments name the steps to run (default: all five).
+# Everything it writes goes to $OUT (default ./gpu-out): each step's log and its benchmark JSON. A step that
+# fails does not stop the others; the exit status is the first failure's.
 #
 # Before the call, here (the GPU image has torch 2.11, triton, transformers, rich, PyYAML and peft, but not
 # pydantic or torchao: carry them as wheels; /.whl/ is ignored by git; pydantic-core must be the version
@@ -25,9 +27,11 @@ fi
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 status=0
-step() {  # step NAME COMMAND...: run it, log to $out/NAME.log, remember the first failure
+wanted=" $* "
+step() {  # step NAME COMMAND...: run it (if asked for), log to $out/NAME.log, remember the first failure
   local name=$1
   shift
+  [ "$wanted" = "  " ] || [[ "$wanted" == *" $name "* ]] || return 0
   echo "== $name: $*"
   "$@" 2>&1 | tee "$out/$name.log"
   local code=${PIPESTATUS[0]}
