@@ -93,3 +93,13 @@ def save_run(out_dir: Path, stem: str, record: dict[str, Any], md: str) -> list[
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     md_path.write_text(md)
     return [str(json_path), str(md_path)]
+
+
+def gpt_title(summary: dict[str, Any]) -> str:
+    """A summary's GPT and batch in a title: ``GPT d512 x 4 layers, vocab 8192, seq 64 (16.8M params), batch 1
+    per rank`` (``summary["model"]``: a ``GPTConfig`` as a dict; ``n_params``; ``batch_per_rank``)."""
+    model = summary["model"]
+    return (
+        f"GPT d{model['d_model']} x {model['n_layers']} layers, vocab {model['vocab_size']}, seq {model['seq_len']} "
+        f"({summary['n_params'] / 1e6:.1f}M params), batch {summary['batch_per_rank']} per rank"
+    )

@@ -72,7 +72,7 @@ from _offload_runs import LR, MAIN, RIVAL, SETUPS, Setup, build, extra_step, gro
 from _offload_runs import Run as Run  # bench_offload_memory.py imports these three from here
 from _offload_runs import make_batch as make_batch
 from _offload_runs import time_interleaved as time_interleaved
-from _results import environment, environment_markdown, markdown_table, save_run
+from _results import environment, environment_markdown, gpt_title, markdown_table, save_run
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
 from rich.table import Table
@@ -218,11 +218,9 @@ def _ranks(summary: dict[str, Any]) -> str:
 
 
 def title(summary: dict[str, Any]) -> str:
-    model = summary["model"]
     return (
-        f"CPU offload host step: GPT d{model['d_model']} x {model['n_layers']} layers, vocab {model['vocab_size']}, "
-        f"seq {model['seq_len']} ({summary['n_params'] / 1e6:.1f}M params), batch {summary['batch_per_rank']} per "
-        f"rank, {_ranks(summary)}, {summary['steps']} steps after {summary['warmup']} warm-up"
+        f"CPU offload host step: {gpt_title(summary)}, {_ranks(summary)}, {summary['steps']} steps after "
+        f"{summary['warmup']} warm-up"
     )
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _results import environment, environment_markdown, markdown_table, save_run
+from _results import environment, environment_markdown, gpt_title, markdown_table, save_run
 from bench_offload import Run, make_batch, time_interleaved
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
@@ -224,12 +224,7 @@ def cpu_rows(summary: dict[str, Any]) -> list[list[str]]:
 
 
 def title(what: str, summary: dict[str, Any], ranks: str) -> str:
-    model = summary["model"]
-    return (
-        f"{what}: GPT d{model['d_model']} x {model['n_layers']} layers, vocab {model['vocab_size']}, seq "
-        f"{model['seq_len']} ({summary['n_params'] / 1e6:.1f}M params), batch {summary['batch_per_rank']} per rank, "
-        f"{ranks}"
-    )
+    return f"{what}: {gpt_title(summary)}, {ranks}"
 
 
 def cpu_notes(summary: dict[str, Any]) -> list[str]:
