@@ -137,9 +137,12 @@ def scenario_state_dict_and_dcp(rank: int, ws: int) -> None:
         for name, tensor in value.items():
             assert torch.equal(full(tensor), full(saved[1][key][name])), (key, name)
     assert not shaped_state(opts[1]), "dropped again after state_dict()"
-    read = nvme_stats(opts[1]).bytes_read
+    before = nvme_stats(opts[1])
     opts[1].load_state_dict(opts[1].state_dict())
-    assert not shaped_state(opts[1]) and nvme_stats(opts[1]).bytes_read == read + nvme_stats(opts[1]).state_bytes
+    after = nvme_stats(opts[1])
+    assert not shaped_state(opts[1]) and after.bytes_read == before.bytes_read + after.state_bytes
+    assert after.bytes_written == before.bytes_written + after.state_bytes  # the load written out at once
+    assert (after.step_bytes_read, after.step_bytes_written) == (before.step_bytes_read, before.step_bytes_written)
     model_state, optim_state = get_state_dict(disk, opts[1])
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
     resumed = make(on_nvme(directory), seed=5)

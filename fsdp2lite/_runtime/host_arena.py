@@ -108,7 +108,7 @@ def host_grad_buffer(params: tuple[FSDPParam, ...], numel: int, dtype: torch.dty
         if _use_count(kept.typed) == kept.free_count:
             return kept.typed
         return host_buffer((numel,), dtype, pin)  # still held: never overwrite what someone can read
-    raw, pinning = exact_host_bytes(numel * _itemsize(dtype), pin)
+    raw, pinning = exact_host_bytes(numel * dtype.itemsize, pin)
     typed = raw.view(dtype)
     _grad_buffers[params[0]] = GradBuffer(raw, typed, _use_count(typed), pinning)
     return typed
@@ -118,10 +118,6 @@ def _use_count(tensor: torch.Tensor) -> int:
     """References to ``tensor``'s storage (every view holds one); -1 where torch does not say (never reused)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     return -1 if counter is None else int(counter(tensor.untyped_storage()._cdata))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def exact_host_bytes(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:

@@ -104,7 +104,7 @@ class Region:
 
     @property
     def nbytes(self) -> int:
-        return self.shape.numel() * _itemsize(self.dtype)
+        return self.shape.numel() * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,8 @@ class Unit:
     """One fsdp2lite group's parameters in one optimizer, with a gradient: streamed and stepped together."""
 
     params: tuple[torch.Tensor, ...]
-    directory: str
     pin: bool
     group: Any  # the fsdp2lite group: its trace records the unit's read wait, step and write
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _shaped(value: Any) -> bool:
@@ -191,6 +186,7 @@ class _Read:
 
     done: Future[None]
     landing: list[tuple[torch.Tensor, str, Region, torch.Tensor]]  # (param, key, region, slot bytes)
+    nbytes: int  # what it reads
 
 
 class NVMeOptimizerState:
@@ -232,18 +228,19 @@ class NVMeOptimizerState:
         self._open_files(optimizer, trainable)  # raises before anything changes
         self._size_staging(units)
         saved = [group["params"] for group in optimizer.param_groups]
-        self.step_bytes_read = self.step_bytes_written = 0
+        self.step_bytes_read = self.step_bytes_written = 0  # this step's own: not state_dict's, not a load's
         self.stepping = True
         try:
             reading = self._read(optimizer, units[0], 0)
             for index, unit in enumerate(units):
                 with unit.group.trace_span("nvme_read_wait"):  # the I/O the previous group's step did not hide
                     self._install(optimizer, reading)
+                self.step_bytes_read += reading.nbytes
                 if index + 1 < len(units):  # overlaps this group's step ([Note: optimizer state on NVMe])
                     reading = self._read(optimizer, units[index + 1], (index + 1) % 2)
                 with unit.group.trace_span("optimizer_step"):
                     self._step_only(optimizer, unit, saved)
-                self._write(optimizer, unit.params)
+                self.step_bytes_written += self._write(optimizer, unit.params)
                 unit.group.trace("nvme_write_issue")
         finally:
             for group, params in zip(optimizer.param_groups, saved):
@@ -295,8 +292,7 @@ class NVMeOptimizerState:
                 jobs.append((self.home[id(param)], region.offset, view.numpy()))
         nbytes = sum(region.nbytes for _, _, region, _ in landing)
         self.bytes_read += nbytes
-        self.step_bytes_read += nbytes
-        return _Read(self.io.submit(_read_all, jobs), landing)
+        return _Read(self.io.submit(_read_all, jobs), landing, nbytes)
 
     def _install(self, optimizer: torch.optim.Optimizer, reading: _Read) -> None:
         reading.done.result()  # the state is in the slot
@@ -310,8 +306,8 @@ class NVMeOptimizerState:
             group["params"] = [param for param in params if id(param) in chosen]
         optimizer.step()
 
-    def _write(self, optimizer: torch.optim.Optimizer, params: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-        """Queue the writes of ``params``' shaped state and drop it from ``optimizer.state``."""
+    def _write(self, optimizer: torch.optim.Optimizer, params: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> int:
+        """Queue the writes of ``params``' shaped state and drop it from ``optimizer.state``; the bytes queued."""
         jobs = []
         for param in params:
             state = optimizer.state.get(param)
@@ -324,10 +320,10 @@ class NVMeOptimizerState:
             optimizer.state[param] = {key: value for key, value in state.items() if not _shaped(value)}
         nbytes = sum(job[3].nbytes for job in jobs)
         self.bytes_written += nbytes
-        self.step_bytes_written += nbytes
         self.writes.append(self.io.submit(_write_all, jobs))
         while len(self.writes) > 2:  # at most two groups' fresh state in flight (a first step's own tensors)
             self.writes.popleft().result()
+        return nbytes
 
     def _region(self, param: torch.Tensor, key: str, value: torch.Tensor) -> tuple[Region, torch.Tensor]:
         """Where ``param``'s ``key`` goes (its region, or a new one if it has none of this shape and dtype)."""
@@ -443,8 +439,7 @@ def _units(optimizer: torch.optim.Optimizer) -> tuple[list[Unit], dict[str, list
     """``optimizer``'s NVMe parameters with a gradient, by fsdp2lite group in the order the optimizer holds
     them; and its trainable NVMe parameters by directory (what the files reserve for)."""
     owner = {id(p.sharded_param): (group, p.policy) for group in list(_nvme_groups) for p in group.params}
-    by_group: dict[int, list[torch.Tensor]] = {}
-    policies: dict[int, Any] = {}
+    by_group: dict[int, tuple[Any, Any, list[torch.Tensor]]] = {}  # id(group) -> (group, its policy, params)
     trainable: dict[str, list[torch.Tensor]] = {}
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
@@ -454,13 +449,8 @@ def _units(optimizer: torch.optim.Optimizer) -> tuple[list[Unit], dict[str, list
             group, policy = found
             trainable.setdefault(policy.nvme_path, []).append(param)
             if param.grad is not None:
-                by_group.setdefault(id(group), []).append(param)
-                policies[id(group)] = policy
-    groups = {id(group): group for group in list(_nvme_groups)}
-    units = [
-        Unit(tuple(params), policies[key].nvme_path, policies[key].pin_memory, groups[key])
-        for key, params in by_group.items()
-    ]
+                by_group.setdefault(id(group), (group, policy, []))[2].append(param)
+    units = [Unit(tuple(params), policy.pin_memory, group) for group, policy, params in by_group.values()]
     return units, trainable
 
 

@@ -29,8 +29,8 @@ Candidates for the peak:
 Full training has R_g = R and B_g = B. The largest is the estimate; the notes name it and its largest term.
 With CPU offload, the offloaded groups' shards, sharded gradients and optimizer state leave the device
 and are counted as ``host_bytes`` (``optimizer_only``: the shards stay, a master copy of them goes):
-shards and each group's gradient buffer at the pinned allocator's
-power-of-two block sizes (``finetune.pinned_nbytes``; a CUDA target only), the optimizer state at its size;
+each group's shards and gradient buffer in buffers of their exact size (NF4 and HFSDP shards at the pinned
+allocator's power-of-two sizes, ``finetune.pinned_nbytes``, on a CUDA target), the optimizer state at its size;
 ``optimizer: nvme`` groups' state in files instead, through two staging buffers ([Note: host bytes]).
 """
 
@@ -153,7 +153,7 @@ def _memory_terms(
     share = sum(g.sharded for g in moved) / terms["S"] if terms["S"] else 0.0  # optimizer_only keeps its shards
     share_t = sum(t for t, host in zip(trained, on_host) if host) / trainable if trainable else 0.0
     terms["G_h"] = int(trainable * share_t)  # CPU offload: those shards' sharded gradients, on the host
-    host = host_bytes(plan, groups, trained, int(terms["O"] * share_t), optimizer, device == "cuda")
+    host = host_bytes(plan, groups, trained, int(terms["O"] * share_t), optimizer)
     terms["S"] = int(terms["S"] * (1 - share))  # what stays on the device
     for key in ("O", "T", "S_t"):
         terms[key] = int(terms[key] * (1 - share_t))

@@ -62,13 +62,11 @@ def nvme_groups(plan: Plan) -> list[int]:
     return [index for index in offloaded_groups(plan) if plan.groups[index].policy.offload.optimizer == "nvme"]
 
 
-def host_bytes(
-    plan: Plan, groups: list[GroupBytes], trained: list[int], moved_state: int, optimizer: str, pin: bool
-) -> HostBytes:
+def host_bytes(plan: Plan, groups: list[GroupBytes], trained: list[int], moved_state: int, optimizer: str) -> HostBytes:
     """[Note: host bytes]. Per group: ``groups`` its bytes (host shards and gradient buffer at the allocator's and
     at the asked-for sizes, its state's file and slot layouts), ``trained`` its trainable shards' bytes on this
-    rank; ``moved_state``: the offloaded groups' optimizer state in host memory (NVMe groups' included);
-    ``pin``: a CUDA target (pinning needs one)."""
+    rank; ``moved_state``: the offloaded groups' optimizer state in host memory (NVMe groups' included). Whether
+    a buffer is rounded (a CUDA target, pinned) is already in ``groups``; the staging slots are exact."""
     offloaded, on_nvme = offloaded_groups(plan), nvme_groups(plan)
     tensors = STATE_TENSORS[optimizer]
     slot = max((tensors * groups[index].state_slot for index in on_nvme), default=0)
@@ -76,7 +74,7 @@ def host_bytes(
     state = max(0, moved_state - sum(tensors * trained[index] for index in on_nvme))  # what stays in host memory
     return HostBytes(
         pinned=sum(groups[index].pinned for index in offloaded) + state + staging,
-        exact=sum(groups[index].host_exact for index in offloaded) + state + 2 * slot,
+        exact=sum(groups[index].host_exact for index in offloaded) + state + staging,
         nvme=sum(tensors * groups[index].state_file for index in on_nvme),
         staging=staging,
     )
@@ -98,8 +96,8 @@ def on_host_optimizer(config: FSDPConfig) -> FSDPConfig:
 def host_note(host: HostBytes) -> str:
     """The estimate's note on what offload puts on the host (and on NVMe)."""
     text = (
-        f"CPU offload: {host.pinned:,} bytes of host memory per rank at the pinned allocator's power-of-two block "
-        f"sizes ({host.exact:,} as asked for)"
+        f"CPU offload: {host.pinned:,} bytes of host memory per rank as pinned (each group's buffers at their "
+        f"exact size, NF4 and HFSDP shards at the pinned allocator's power-of-two sizes; {host.exact:,} as asked for)"
     )
     if host.nvme:
         text += (

@@ -126,7 +126,7 @@ def _planned(
             ratio = sum(g.unsharded for g in groups) / max(1, sum(g.unsharded for g in bf16))
             breakdown["unsharded_params"] = int(breakdown["unsharded_params"] * ratio)
             breakdown["unsharded_params"] += max(g.dequantized for g in groups)
-    host = host_bytes(plan, groups, trained, estimate.host_bytes, optimizer, estimate.device == "cuda")
+    host = host_bytes(plan, groups, trained, estimate.host_bytes, optimizer)
     notes = estimate.notes + ((host_note(host),) if host.pinned else ())
     if finetune is not None and finetune.adapters:
         notes = (*notes, f"{finetune.label()}: the frozen base has no gradients or optimizer state")
