@@ -59,19 +59,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp2lite.estimate.timing import LINKS, Link
+from fsdp2lite.estimate.timing import Link, find_link  # the planner's links and its lookup of them
 
 BACKEND = "link"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def find_link(link: str | Link) -> Link:
-    """The planner's link ``name`` (``LINKS``), or a ``Link`` as it is; ValueError naming the valid ones."""
-    if isinstance(link, Link):
-        return link
-    if link not in LINKS:
-        raise ValueError(f"unknown link {link!r}; valid links: {', '.join(LINKS)} (or Link(gb_per_s, latency_us))")
-    return LINKS[link]
 
 
 def ring_bytes(kind: str, nbytes: int, world_size: int) -> int:

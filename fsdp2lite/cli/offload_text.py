@@ -1,7 +1,7 @@
 """What CPU offload takes outside the device, in words: host memory per rank and per machine, NVMe files,
 and where each group's optimizer state lives (``fsdp2lite estimate`` and ``explain`` print these).
 
-Host memory is counted at the pinned allocator's block sizes, with the sizes asked for beside them
+Host memory is counted at the sizes pinning really takes, with the sizes asked for beside them
 ([Note: host bytes] in ``estimate/host.py``); a machine's is a rank's times the ranks on it.
 """
 

@@ -164,13 +164,7 @@ class OffloadConfig(BaseModel):
         """An offload policy object (fsdp2lite's or torch's) where the config's offload section goes."""
         policy = from_torch_policy(value)
         if isinstance(policy, CPUOffloadPolicy):
-            return {
-                "device": "cpu",
-                "pin_memory": policy.pin_memory,
-                "optimizer_only": policy.optimizer_only,
-                "optimizer": policy.optimizer,
-                "nvme_path": policy.nvme_path,
-            }
+            return {"device": "cpu", **policy.model_dump()}  # every CPUOffloadPolicy field is one of ours
         if isinstance(policy, OffloadPolicy):
             return {"device": "none"}
         return value
