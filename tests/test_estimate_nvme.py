@@ -1,5 +1,5 @@
 """The planner's host memory and NVMe bytes: optimizer state on NVMe (exact bytes, both methods), host memory
-at the pinned allocator's sizes and as asked for, per machine, the budget search's per-group and NVMe offloads,
+at the sizes pinning takes and as asked for, per machine, the budget search's per-group and NVMe offloads,
 ``--host-ram``, and explain's optimizer state placement ([Note: host bytes] in estimate/host.py)."""
 
 from __future__ import annotations

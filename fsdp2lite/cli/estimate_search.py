@@ -3,9 +3,9 @@
 Each setting is estimated with the analytic method (the whole search answers in seconds, a 70B model
 included) and timed on the named link and GPU (``estimate.timing``). A setting fits when its *reserved*
 device peak (what the caching allocator holds: an OOM comes from that) is within the budget and its
-host memory per machine (CPU offload's shards, gradients and optimizer state at the pinned allocator's
-sizes, times the ranks on one machine: [Note: host bytes]) within ``--host-ram``. The choice is the fitting
-setting with the most tokens per second; ties go to the least offload, then the smaller peak.
+host memory per machine (CPU offload's shards, gradients and optimizer state at the sizes pinning takes,
+times the ranks on one machine: [Note: host bytes]) within ``--host-ram``. The choice is the fitting setting
+with the most tokens per second; ties go to the least offload, then the smaller peak.
 
 Without ``--finetune`` the search covers what to train: full, lora and qlora, each with and without
 activation checkpointing and offload (none, ``optimizer_only``: ZeRO-Offload, or full) (bf16 compute). With
@@ -325,7 +325,7 @@ def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any
             style="bold green" if chosen else ("" if row["fits"] else "dim"),
         )
     table.caption = (
-        "fits: reserved within the budget and host/machine (CPU offload, at the pinned allocator's sizes) within "
+        "fits: reserved within the budget and host/machine (CPU offload, at the sizes pinning takes) within "
         "--host-ram; groups: offloaded groups (all, or the fewest largest that fit)"
     )
     return table

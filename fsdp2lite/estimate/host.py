@@ -46,7 +46,7 @@ SLOT_ALIGN = 64  # each state tensor in a staging slot starts on a cache line (_
 class HostBytes:
     """One rank's host memory and NVMe files under CPU offload."""
 
-    pinned: int  # host memory at the pinned allocator's block sizes (= exact where nothing is pinned)
+    pinned: int  # host memory at the sizes pinning takes (exact group buffers, power-of-two NF4/HFSDP ones)
     exact: int  # host memory at the sizes asked for
     nvme: int  # optimizer state in files (read and written once per step)
     staging: int  # of ``pinned``: the two NVMe staging buffers

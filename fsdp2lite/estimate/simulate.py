@@ -113,7 +113,7 @@ def _planned(
     optimizer: str,
 ) -> MemoryEstimate:
     """The measured estimate with what the plan knows better: NF4's bytes for qlora ([Note: qlora
-    simulated]) and the host side of CPU offload at the pinned allocator's sizes, NVMe's files and staging
+    simulated]) and the host side of CPU offload at the sizes pinning takes, NVMe's files and staging
     buffers included ([Note: host bytes]). ``bytes_of``: per group, its bytes (NF4 counted), the same with
     the NF4 weights in bf16, and its trainable shards' bytes."""
     groups, bf16, trained = bytes_of
