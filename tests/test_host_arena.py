@@ -26,10 +26,10 @@ def groups(model: nn.Module) -> list:
     return [m._fsdp_state.group for m in model.modules() if isinstance(m, fl.FSDPModule)]
 
 
-def shard(model: nn.Module, offload: fl.OffloadPolicy | None) -> nn.Module:
+def shard(model: nn.Module, offload: fl.OffloadPolicy | None, mesh: object = None) -> nn.Module:
     for block in model.blocks:
-        fl.fully_shard(block, offload_policy=offload)
-    fl.fully_shard(model, offload_policy=offload)
+        fl.fully_shard(block, mesh, offload_policy=offload)
+    fl.fully_shard(model, mesh, offload_policy=offload)
     return model
 
 
@@ -165,10 +165,7 @@ def test_offloaded_group_pins_shards_and_gradients_once_on_cuda() -> None:
 
 def _pinned_once(rank: int, ws: int) -> None:
     torch.cuda.set_device(0)
-    model = tiny_gpt().cuda()
-    for block in model.blocks:
-        fl.fully_shard(block, fl.init_mesh(device_type="cuda"), offload_policy=fl.CPUOffloadPolicy())
-    fl.fully_shard(model, fl.init_mesh(device_type="cuda"), offload_policy=fl.CPUOffloadPolicy())
+    model = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), fl.init_mesh(device_type="cuda"))
     for group in groups(model):
         assert group.host_arena.pinning == "registered" and group.host_arena.buffer.is_pinned()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
