@@ -15,7 +15,7 @@ from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gp
 from _parity import full
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import host_arena
+from fsdp2lite._runtime import pinned
 from fsdp2lite._runtime.host_arena import host_tensor
 
 FULL = fl.CPUOffloadPolicy(pin_memory=False)
@@ -116,12 +116,12 @@ def test_host_arena_on_two_ranks() -> None:
 def test_pinning_falls_back_in_order() -> None:
     """No CUDA: plain memory. Registering refused: torch's pinned allocator; that failing too: pageable, with
     the one warning of [Note: pinning fails]."""
-    assert host_arena.exact_host_bytes(1000, pin=True)[1] == "none"
+    assert pinned.exact_host_bytes(1000, pin=True)[1] == "none"
     refusing = mock.Mock(cudaHostRegister=mock.Mock(return_value=1))
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
         with mock.patch.object(torch.cuda, "cudart", return_value=refusing):
-            with mock.patch.object(host_arena, "host_buffer", return_value=torch.zeros(1000, dtype=torch.uint8)) as fb:
-                buffer, pinning = host_arena.exact_host_bytes(1000, pin=True)
+            with mock.patch.object(pinned, "host_buffer", return_value=torch.zeros(1000, dtype=torch.uint8)) as fb:
+                buffer, pinning = pinned.exact_host_bytes(1000, pin=True)
     refusing.cudaHostRegister.assert_called_once_with(mock.ANY, 1000, 0)
     fb.assert_called_once_with((1000,), torch.uint8, pin=True)
     assert (buffer.nbytes, pinning) == (1000, "none")
@@ -130,7 +130,7 @@ def test_pinning_falls_back_in_order() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: page-locking host memory is a driver call")
 def test_registered_at_exact_size_on_cuda() -> None:
-    buffer, pinning = host_arena.exact_host_bytes(3 * 2**20 + 64, pin=True)
+    buffer, pinning = pinned.exact_host_bytes(3 * 2**20 + 64, pin=True)
     assert pinning == "registered" and buffer.is_pinned() and buffer.nbytes == 3 * 2**20 + 64
     device = torch.arange(buffer.numel(), device="cuda").to(torch.uint8)
     buffer.copy_(device, non_blocking=True)
@@ -138,23 +138,51 @@ def test_registered_at_exact_size_on_cuda() -> None:
     assert torch.equal(buffer, device.cpu())
 
 
-def test_gradient_buffer_reused_only_when_free() -> None:
-    """The group's reduced-gradient host buffer: the same one every step once nothing holds it; while a
-    gradient (a view) still holds it, a buffer of its own for that step, and the kept one untouched."""
-
-    class Key:  # stands for the group's first parameter (the buffers are kept by it, weakly)
-        pass
-
-    key = (Key(),)
-    first = host_arena.host_grad_buffer(key, 100, torch.float32, pin=False)
-    assert first.numel() == 100 and host_arena.host_grad_buffer(key, 100, torch.float32, pin=False) is first
+def test_gradient_pool_reuses_free_buffers_only() -> None:
+    """[Note: host gradient buffers]: kept gradients (a view of a buffer) keep it from being handed out again;
+    once dropped, the same buffer comes back; a request no free buffer fits drops the free ones and makes one
+    of exactly its bytes; the exact fit goes first among free buffers."""
+    pool = pinned.HostGradPool()
+    first = pool.take(100, torch.float32, pin=False)
     first.fill_(7.0)
     grad = first[10:20]  # a sharded gradient viewing it
-    other = host_arena.host_grad_buffer(key, 100, torch.float32, pin=False)
-    assert other.data_ptr() != first.data_ptr() and torch.equal(grad, torch.full((10,), 7.0))
-    del grad
-    assert host_arena.host_grad_buffer(key, 100, torch.float32, pin=False) is first
-    assert host_arena.host_grad_buffer(key, 60, torch.float32, pin=False).numel() == 60  # the group changed
+    second = pool.take(100, torch.float32, pin=False)
+    assert second.data_ptr() != first.data_ptr() and torch.equal(grad, torch.full((10,), 7.0))
+    assert pool.nbytes() == 800 and pool.nbytes("none") == 800 and pool.nbytes("registered") == 0
+    del first, grad, second
+    assert pool.take(100, torch.float32, pin=False).numel() == 100 and pool.nbytes() == 800  # reused
+    bigger = pool.take(300, torch.float32, pin=False)  # both free ones too small: dropped, one exact made
+    assert bigger.numel() == 300 and pool.nbytes() == 1200
+    del bigger
+    small = pool.take(50, torch.float64, pin=False)  # the one free buffer serves a smaller request, any dtype
+    assert (small.numel(), small.dtype, pool.nbytes()) == (50, torch.float64, 1200)
+    held = pool.take(1200 // 4, torch.float32, pin=False)  # the 1200-byte one is held by ``small``: a new one
+    assert pool.nbytes() == 2400 and held.data_ptr() != small.data_ptr()
+    pinned_ask = pool.take(10, torch.float32, pin=True)  # never one made for the other pin setting
+    assert pool.nbytes() == 2440 and pinned_ask.numel() == 10
+
+
+def test_gradient_pool_serves_groups_like_the_two_schedules() -> None:
+    """Groups of 400, 1000 and 400 bytes, three steps each: gradients kept to the step (all held at once)
+    need one buffer per group, each group its own every step; gradients dropped as each group steps
+    (``step_in_backward``) need one buffer, the largest group's size."""
+    sizes = (100, 250, 100)  # fp32 elements
+
+    kept = pinned.HostGradPool()
+    owners = []
+    for _ in range(3):
+        grads = [kept.take(n, torch.float32, pin=False) for n in sizes]
+        owners.append([g.data_ptr() for g in grads])
+        del grads  # zero_grad()
+    assert owners[0] == owners[1] == owners[2] and len(set(owners[0])) == 3 and kept.nbytes() == 1800
+
+    stepped = pinned.HostGradPool()
+    for _ in range(3):
+        for n in sizes:
+            grad = stepped.take(n, torch.float32, pin=False)
+            grad.fill_(1.0)
+            del grad  # the group's optimizer stepped it and set it to None
+    assert stepped.nbytes() == 1000 and len(stepped.buffers) == 1
 
 
 @pytest.mark.gpu
@@ -177,3 +205,37 @@ def _pinned_once(rank: int, ws: int) -> None:
         opt.step()
         opt.zero_grad()
     assert seen[0] == seen[1] == seen[2], "each group's gradient buffer, reused every step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: gradients copied to pinned host buffers")
+def test_step_in_backward_pins_one_gradient_buffer_on_cuda() -> None:
+    spawn_checks(1, _one_gradient_buffer)
+
+
+def _one_gradient_buffer(rank: int, ws: int) -> None:
+    """[Note: host gradient buffers] on CUDA: stepping in backward, every group's gradients land in one registered
+    buffer of the largest group's bytes, and the losses and parameters are those of one optimizer stepped after
+    backward (the kept-gradients schedule, one buffer per group)."""
+    torch.cuda.set_device(0)
+    mesh = fl.init_mesh(device_type="cuda")
+    kept = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
+    stepped = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
+    opt = torch.optim.AdamW(kept.parameters(), lr=1e-2)
+    fl.step_in_backward(stepped, lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for step in range(3):
+        batch = tuple(t.cuda() for t in gpt_batch(step, rank))
+        loss = gpt_loss(kept, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        other = gpt_loss(stepped, batch)
+        other.backward()
+        assert torch.equal(loss, other), step
+    for a, b in zip(kept.parameters(), stepped.parameters(), strict=True):
+        assert torch.equal(full(a), full(b))
+    largest = max(sum(p.padded_numel for p in group.params) * 4 for group in groups(stepped))
+    pool = groups(stepped)[0].comm.host_grads
+    assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
+    total = sum(sum(p.padded_numel for p in group.params) * 4 for group in groups(kept))
+    assert groups(kept)[0].comm.host_grads.nbytes("registered") == total

@@ -89,7 +89,6 @@ import torch
 import torch.distributed as dist
 
 from .comm import AllGatherResult, Comm, all_gather_flat
-from .host_arena import host_grad_buffer
 from .param import FSDPParam, make_dtensor
 from .quantize import exchange_rows, sum_received
 
@@ -403,7 +402,7 @@ def finish_reduce_scatter(
         output.div_(divide_factor)
     if hook is not None:  # sees the gradient as it will be stored (averaged), as torch's hook does
         _run_all_reduce_hook(hook, hook_stream, output)
-    return accumulate_sharded_grads(output, result.params)
+    return accumulate_sharded_grads(output, result.params, comm)
 
 
 def _all_reduce_replicas(
@@ -435,20 +434,23 @@ def _run_all_reduce_hook(
     current.wait_stream(stream)
 
 
-def accumulate_sharded_grads(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.cuda.Event | None:
+def accumulate_sharded_grads(
+    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm
+) -> torch.cuda.Event | None:
     """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad``.
 
     Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
-    (on the host when offloaded: one non-blocking copy of the whole output into pinned memory; the
-    returned event marks its end). A new gradient is an ``as_strided`` view of the output that skips
-    the slot's padding rows; an existing one (no ``zero_grad`` in between) gets the new one added.
+    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
+    ``comm``'s pool, [Note: host gradient buffers] in pinned.py; the returned event marks its end). A new
+    gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
+    ``zero_grad`` in between) gets the new one added.
     """
     first = params[0]
     uniform = all(p.orig_dtype == first.orig_dtype for p in params)
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
     offload_event = None
     if first.grads_on_host and flat.device.type != "cpu":
-        host = host_grad_buffer(params, flat.numel(), flat.dtype, first.pin_memory)  # [Note: one host buffer per group]
+        host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
         flat = host.copy_(flat, non_blocking=host.is_pinned())  # pinned: async, waited at the end of backward
         if host.is_pinned():
             offload_event = torch.cuda.Event()

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .pinned import HostGradPool
 from .trace import TraceRecorder
 
 # torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
@@ -39,13 +40,14 @@ STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduc
 
 
 class Comm:
-    """Streams (CUDA) or nothing (CPU), and the trace recorder."""
+    """Streams (CUDA) or nothing (CPU), the trace recorder, and the host gradient buffers of CPU offload."""
 
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
     recorder: TraceRecorder | None  # None: tracing off, and free
     wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
     wire: dict[str, int] | None  # while set (fl.count_wire_bytes): bytes this rank sent, per collective kind
+    host_grads: HostGradPool  # CPU offload: the host buffers reduced gradients land in ([Note: host gradient buffers])
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -56,6 +58,7 @@ class Comm:
         self.recorder = None
         self.wait_instead = None
         self.wire = None
+        self.host_grads = HostGradPool()
 
     def count(self, kind: str, sent: int) -> None:
         """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""

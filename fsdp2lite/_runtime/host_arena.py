@@ -17,16 +17,14 @@ The buffer is the group's for its life: the optimizer steps into it, the all-gat
 step. Hooked parameters (a tensor subclass with all-gather hooks, such as NF4) and HFSDP's replica-sharded ones
 keep buffers of their own.
 
-The reduced gradients' host buffer (one per group, the sharded gradients are views of it) is made the same
-way, once, and reused by every backward that finds nothing else holding it (``zero_grad()`` set the
-gradients to None): its storage's use count is the one it had when made. A backward that finds it still held
-(gradients kept, accumulated, or referenced elsewhere) gets a buffer of its own from the pinned allocator for
-that step, as before, so no value anyone can still read is ever overwritten.
+The reduced gradients' host buffers are made the same exact way, but shared by the groups of a root rather
+than one per group ([Note: host gradient buffers] in ``pinned.py``): with gradients kept until
+``optimizer.step()`` that is one buffer per group as before; with them dropped as each group steps
+(``fsdp2lite.step_in_backward``), one buffer the size of the largest group's gradients.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +32,7 @@ import torch
 
 from .host_masters import HostMasterParam
 from .param import FSDPParam
-from .pinned import host_buffer
+from .pinned import exact_host_bytes
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
@@ -79,75 +77,6 @@ def pack_host_shards(group: FSDPParamGroup, arena: HostArena | None) -> HostAren
         view = buffer.narrow(0, offset, tensor.nbytes).view(tensor.dtype).view(tensor.shape)
         _adopt(param, view.copy_(tensor))
     return HostArena(buffer, pinning)
-
-
-@dataclass(frozen=True)
-class GradBuffer:
-    """A group's reduced-gradient host buffer: its bytes, the typed view handed out, and the storage's use
-    count when nothing else holds it."""
-
-    raw: torch.Tensor
-    typed: torch.Tensor
-    free_count: int
-    pinning: str  # as HostArena's
-
-
-_grad_buffers: weakref.WeakKeyDictionary[Any, GradBuffer] = weakref.WeakKeyDictionary()  # by the group's first param
-
-
-def grad_buffer(group: FSDPParamGroup) -> GradBuffer | None:
-    """``group``'s reduced-gradient host buffer, once a backward made it (benchmarks and tests read it)."""
-    return _grad_buffers.get(group.params[0])
-
-
-def host_grad_buffer(params: tuple[FSDPParam, ...], numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A ``(numel,)`` host buffer for a group's reduced gradients: the group's own, exact and pinned when asked,
-    when nothing holds it any more; else one of the pinned allocator's for this step only."""
-    kept = _grad_buffers.get(params[0])
-    if kept is not None and kept.typed.numel() == numel and kept.typed.dtype == dtype:
-        if _use_count(kept.typed) == kept.free_count:
-            return kept.typed
-        return host_buffer((numel,), dtype, pin)  # still held: never overwrite what someone can read
-    raw, pinning = exact_host_bytes(numel * dtype.itemsize, pin)
-    typed = raw.view(dtype)
-    _grad_buffers[params[0]] = GradBuffer(raw, typed, _use_count(typed), pinning)
-    return typed
-
-
-def _use_count(tensor: torch.Tensor) -> int:
-    """References to ``tensor``'s storage (every view holds one); -1 where torch does not say (never reused)."""
-    counter = getattr(torch._C, "_storage_Use_Count", None)
-    return -1 if counter is None else int(counter(tensor.untyped_storage()._cdata))
-
-
-def exact_host_bytes(nbytes: int, pin: bool) -> tuple[torch.Tensor, str]:
-    """``nbytes`` of host memory (uint8) and how it is pinned: registered with the driver at exactly that size
-    when ``pin`` and CUDA allow, else torch's pinned allocator, else pageable ([Note: one host buffer per group])."""
-    if not pin or nbytes == 0 or not torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8), "none"
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if _register(buffer):
-        return buffer, "registered"
-    buffer = host_buffer((nbytes,), torch.uint8, pin=True)  # warns once when pinning fails: [Note: pinning fails]
-    return buffer, "allocator" if buffer.is_pinned() else "none"
-
-
-def _register(buffer: torch.Tensor) -> bool:
-    """Page-lock ``buffer``'s bytes in place (``cudaHostRegister``); unlocked when it is dropped."""
-    try:
-        cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
-    except (AttributeError, RuntimeError, OSError):
-        return False
-    if int(error) != 0:
-        return False
-    weakref.finalize(buffer, _unregister, cudart, buffer.untyped_storage(), buffer.data_ptr())
-    return True
-
-
-def _unregister(cudart: Any, storage: Any, pointer: int) -> None:
-    cudart.cudaHostUnregister(pointer)  # ``storage`` rides along: the bytes outlive their registration
-    del storage
 
 
 def _inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:

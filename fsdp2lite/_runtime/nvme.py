@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .host_arena import exact_host_bytes
 from .param import make_dtensor
+from .pinned import exact_host_bytes
 
 FSDPParamGroup = Any  # the group (group.py imports the modules that import this one: no import back)
 

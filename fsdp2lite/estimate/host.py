@@ -6,9 +6,11 @@ master copy of its trainable shards; the shards stay on the device), a host grad
 state. fsdp2lite packs a group's host shards (or masters) into one buffer, each at ``PACK_ALIGN``, pinned by
 registering exactly its bytes with the driver ([Note: one host buffer per group] in ``_runtime/host_arena.py``);
 NF4 shards and HFSDP's replica-sharded ones keep a buffer each (``_runtime/pinned.host_buffer``); the group's
-reduced gradients get one buffer of their own, made the same exact way and reused every step (a step that
-finds it still held, e.g. gradients kept with ``zero_grad(set_to_none=False)``, takes another from the pinned
-allocator: not counted); the optimizer state is made by the optimizer, pageable.
+reduced gradients land in a buffer of the same exact kind from the root's pool ([Note: host gradient buffers]
+in ``_runtime/pinned.py``): with gradients kept until ``optimizer.step()`` one per group, reused every step, as
+counted here (``fsdp2lite.step_in_backward`` needs only the largest group's: the count is an upper bound there;
+a reduction that finds gradients still held, e.g. kept with ``zero_grad(set_to_none=False)``, takes one more
+buffer: not counted); the optimizer state is made by the optimizer, pageable.
 
 Pinned sizes. With ``pin_memory: true`` on a CUDA target, the buffers other than the packed one come from
 torch's pinned (caching host) allocator, which rounds every request up to the next power of two before

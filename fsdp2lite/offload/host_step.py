@@ -280,12 +280,13 @@ def step_in_backward(
     torch.optim.AdamW(ps, lr=3e-4))``) over that group's trainable parameters; a hook on each sharded parameter
     (``register_post_accumulate_grad_hook``, which fsdp2lite calls once the group's reduced gradients are all in
     ``.grad``) steps the group's optimizer and sets its gradients to None: torch's "optimizer step in backward"
-    recipe, one step per group instead of per parameter. The hooks run in backward's own thread, between one
-    group's reduction and the next group's backward, so what is gained is memory: no group's gradients outlive
-    its step. Do not call ``step()`` yourself; there is no gradient clipping across groups, since no group
-    waits for the others. Microbatches with gradient sync off reduce nothing, so they step nothing; the
-    synchronising one steps. ``model`` must be the root ``fsdp2lite.FSDPModule``, between steps. Every
-    optimizer is made before any hook is registered; ``StepInBackward.remove()`` unregisters the hooks.
+    recipe, one step per group instead of per parameter. The hooks run in backward's own thread, between one group's
+    reduction and the next group's backward, so what is gained is memory: no group's gradients outlive its step, and
+    under CPU offload one pinned host buffer, the largest group's, takes every group's gradients in turn
+    ([Note: host gradient buffers] in ``_runtime/pinned.py``). Do not call ``step()`` yourself; there is no gradient
+    clipping across groups, since no group waits for the others. Microbatches with gradient sync off reduce nothing,
+    so they step nothing; the synchronising one steps. ``model`` must be the root ``fsdp2lite.FSDPModule``, between
+    steps. Every optimizer is made before any hook is registered; ``StepInBackward.remove()`` unregisters the hooks.
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(f"step_in_backward takes the root fsdp2lite.FSDPModule, got {type(model).__name__}")
