@@ -27,7 +27,8 @@ The steps, as the code below reads:
      (--finetune qlora: quantizing them to NF4); or from rank 0's seeded random init, with one broadcast
      per tensor (--finetune lora|qlora without --weights: every rank builds the seeded base whole)
   4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
-  5. train: gradient accumulation, clipping, AdamW, checkpoints every --save-every steps
+  5. train: gradient accumulation, clipping, AdamW (on torch's fused CPU kernel for the parameters a
+     config offloads to the host: fsdp2lite.fast_host_step), checkpoints every --save-every steps
   6. report: progress on rank 0 (loss, tokens/s, peak memory), a final JSON line
 """
 
@@ -619,6 +620,17 @@ class Run:
     weights_bytes_read: list[int | None]  # per rank: --weights' tensor bytes it read (None: no --weights)
 
 
+def offloads(config: fl.FSDPConfig) -> bool:
+    """Whether ``config`` puts any group's shards (or masters) on the host: their optimizer step runs there."""
+    rules = [config.offload, *(rule.offload for rule in config.wrap if rule.offload is not None)]
+    return any(offload.device == "cpu" for offload in rules)
+
+
+def fused_host_params(optimizer: torch.optim.Optimizer) -> int:
+    """Parameters ``optimizer`` steps with torch's fused CPU kernel (``fl.fast_host_step``'s groups)."""
+    return sum(len(group["params"]) for group in optimizer.param_groups if group.get("fused"))
+
+
 def prepare(args: argparse.Namespace, job: Job) -> Run:
     config_path = args.config or shown(GPT_CONFIG if args.model_config == "gpt" else HF_CONFIG)
     config, spec, resume, tokenizer, dataset = on_every_rank(
@@ -650,6 +662,8 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     rest = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    if offloads(config):  # before a resume loads its state: the saved run's groups were made the same way
+        fl.fast_host_step(optimizer)
     bytes_read: list[int | None] = [None] * job.world_size  # each rank's bytes of --weights read
     dist.all_gather_object(bytes_read, weights.bytes_read if weights is not None else None)
     run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0, bytes_read)
@@ -833,6 +847,7 @@ class Report:
             "steps": args.steps,
             "resumed_from": str(run.resumed_from) if run.resumed_from else None,
             "weights_bytes_read": run.weights_bytes_read,
+            "fused_host_params": fused_host_params(run.optimizer),
         }
         self.progress: Any = None
         if job.rank != 0:

@@ -106,15 +106,29 @@ def losses(path: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def save_initial_weights(directory: Path) -> None:
-    """What A starts from (rank 0's seeded init of the llama-tiny preset), as a Hugging Face checkpoint."""
+def import_train() -> Any:
+    """examples/train.py as a module."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import train
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    return train
+
+
+def save_initial_weights(directory: Path) -> None:
+    """What A starts from (rank 0's seeded init of the llama-tiny preset), as a Hugging Face checkpoint."""
+    train = import_train()
     args = train.parse_args(["--model-config", "llama-tiny", "--seed", "0"])
     train.source_model(args, train.resolve_model(args)).save_pretrained(directory)
+
+
+def llama_tiny_parameters() -> int:
+    """Parameter tensors of the llama-tiny preset."""
+    train = import_train()
+    with torch.device("meta"):
+        model = train.new_model(train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])))
+    return len(list(model.parameters()))
 
 
 def gpt2_with_tokenizer(directory: Path) -> int:
@@ -160,8 +174,10 @@ def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
     shutil.copytree(tmp / "ckA" / "step-0000002", tmp / "ckB" / "step-0000002")
     (tmp / "ckB" / "step-0000003").mkdir()  # a save that never finished: no train_state.json
     out["B"] = record(torchrun(*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl", cwd=tmp))
-    single = [*COMMON, "--config", "fp32.yaml", "--batch", "4", "--metrics", "C.jsonl"]
-    out["C"] = record(python(*single, cwd=tmp))
+    single = [*COMMON, "--batch", "4"]
+    out["C"] = record(python(*single, "--config", "fp32.yaml", "--metrics", "C.jsonl", cwd=tmp))
+    (tmp / "offload.yaml").write_text(LAYERS_FP32 + "offload: {device: cpu, pin_memory: false}\n")
+    out["H"] = record(python(*single, "--config", "offload.yaml", "--metrics", "H.jsonl", cwd=tmp))
     save_initial_weights(tmp / "weights")
     out["D"] = record(torchrun(*base, "--weights", "weights", "--metrics", "D.jsonl", cwd=tmp))
     out["E_tokens"] = gpt2_with_tokenizer(tmp / "gpt2-bpe")
@@ -213,6 +229,18 @@ def test_one_process_with_the_whole_batch_matches_two_ranks(runs: dict[str, Any]
     assert runs["C"]["world_size"] == 1 and sorted(single) == sorted(two)
     for step in two:
         assert single[step] == pytest.approx(two[step], rel=1e-5), (step, single, two)
+
+
+def test_offloaded_parameters_step_on_the_fused_host_kernel(runs: dict[str, Any]) -> None:
+    """A config that offloads: AdamW runs on torch's fused CPU kernel for the host parameters (all of them on a
+    CPU job), the losses those of the for-loop step; a config that does not keeps torch's default step."""
+    offloaded, plain = runs["H"], runs["C"]
+    assert plain["fused_host_params"] == 0
+    assert offloaded["fused_host_params"] == llama_tiny_parameters() > 0
+    fused, loop = losses(runs["tmp"] / "H.jsonl"), losses(runs["tmp"] / "C.jsonl")
+    assert sorted(fused) == sorted(loop)
+    for step in loop:
+        assert fused[step] == pytest.approx(loop[step], rel=1e-5), (step, fused, loop)
 
 
 def test_weights_from_a_local_checkpoint_reach_every_shard(runs: dict[str, Any]) -> None:
