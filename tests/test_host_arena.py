@@ -239,3 +239,26 @@ def _one_gradient_buffer(rank: int, ws: int) -> None:
     assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
     total = sum(sum(p.padded_numel for p in group.params) * 4 for group in groups(kept))
     assert groups(kept)[0].comm.host_grads.nbytes("registered") == total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: asynchronous copies to pinned host memory")
+def test_offloaded_gradients_accumulate_after_their_copy_lands_on_cuda() -> None:
+    spawn_checks(1, _accumulated_on_cuda)
+
+
+def _accumulated_on_cuda(rank: int, ws: int) -> None:
+    """Two backwards without ``zero_grad``: the second reduction is added into the kept host gradients on the
+    host, so its copy must have landed first (a non-blocking copy would be read half-written). The sums equal
+    the same model's without offload, accumulated on the device."""
+    torch.cuda.set_device(0)
+    mesh = fl.init_mesh(device_type="cuda")
+    offloaded = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
+    resident = shard(tiny_gpt().cuda(), None, mesh)
+    for step in range(2):
+        batch = tuple(t.cuda() for t in gpt_batch(step, rank))
+        gpt_loss(offloaded, batch).backward()
+        gpt_loss(resident, batch).backward()
+    for a, b in zip(offloaded.parameters(), resident.parameters(), strict=True):
+        assert a.grad._local_tensor.device.type == "cpu"
+        assert torch.equal(full(a.grad).cpu(), full(b.grad).cpu())

@@ -451,10 +451,13 @@ def accumulate_sharded_grads(
     offload_event = None
     if first.grads_on_host and flat.device.type != "cpu":
         host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
-        flat = host.copy_(flat, non_blocking=host.is_pinned())  # pinned: async, waited at the end of backward
-        if host.is_pinned():
+        # async only when nothing below reads the host copy at once: adding into kept gradients and casting
+        # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
+        reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
+        flat = host.copy_(flat, non_blocking=host.is_pinned() and not reads_now)
+        if host.is_pinned() and not reads_now:
             offload_event = torch.cuda.Event()
-            offload_event.record()  # after the copy on the compute stream
+            offload_event.record()  # after the copy on the compute stream: waited at the end of backward
     existing: list[torch.Tensor] = []
     new: list[torch.Tensor] = []
     offset = flat.storage_offset()
