@@ -45,6 +45,17 @@ def check_nf4_qlora_offload_against_torch(rank: int, world_size: int) -> None:
         local = layer.weight.to_local()
         assert type(local) is NF4Tensor and local.device.type == "cpu", (type(local), local.device)
         assert local.quantized_data.device.type == "cpu"  # the inner tensors too
+    inner = {  # NF4's codes, scales and lookup table, by storage
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for layer in (mine[0], mine[2])
+        for name in ("quantized_data", "scaler_mean", "quantization_factor", "quantized_scalers", "nf4")
+        for t in [getattr(layer.weight.to_local(), name)]
+    }
+    memory = fl.offload.host_memory(mine)
+    assert memory.own_buffers == sum(inner.values()) > 0  # NF4 shards keep buffers of their own
+    arenas = [m._fsdp_state.group.host_arena for m in (mine[0], mine[2])]
+    assert memory.shards == sum(arena.nbytes for arena in arenas) > 0  # the adapters, packed
+    assert (memory.gradients, memory.pinned, memory.offloaded_groups) == (0, 0, 2)  # CPU: nothing pinned
     models = (mine, theirs)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
     losses: list[list[float]] = [[], []]

@@ -105,11 +105,30 @@ def scenario_planner_counts_the_buffers(rank: int, ws: int) -> None:
     shards = sum(t.nbytes for group in groups(model) for p in group.params if (t := host_tensor(p)) is not None)
     steps = 4 * len(list(model.parameters()))
     assert estimate.host_exact_bytes == packed + 3 * shards + steps, (estimate.host_exact_bytes, packed, shards)
+    memory = fl.offload.host_memory(model)  # what the runtime holds, read back: the packed buffers
+    assert (memory.shards, memory.own_buffers, memory.gradients) == (packed, 0, 0)  # CPU mesh: reduced in place
+    assert (memory.pinned, memory.registered, memory.offloaded_groups) == (0, 0, len(groups(model)))
+
+
+def scenario_host_memory_without_offload(rank: int, ws: int) -> None:
+    """No offload: nothing on the host; optimizer_only: the masters' buffers; a module fully_shard never saw:
+    refused by name."""
+    assert fl.offload.host_memory(shard(tiny_gpt(), None)) == fl.offload.HostMemory(0, 0, 0, 0, 0, 0)
+    model = shard(tiny_gpt(), MASTERS)
+    masters = fl.offload.host_memory(model)
+    assert masters.shards == sum(group.host_arena.nbytes for group in groups(model)) > 0
+    assert masters.total == masters.shards and masters.offloaded_groups == len(groups(model))
+    with pytest.raises(TypeError, match="host_memory takes a model sharded by fsdp2lite.fully_shard; Linear"):
+        fl.offload.host_memory(nn.Linear(2, 2))
 
 
 def test_host_arena_on_two_ranks() -> None:
     spawn_checks(
-        2, scenario_packed_and_stepped_in_place, scenario_meta_init_then_to_empty, scenario_planner_counts_the_buffers
+        2,
+        scenario_packed_and_stepped_in_place,
+        scenario_meta_init_then_to_empty,
+        scenario_planner_counts_the_buffers,
+        scenario_host_memory_without_offload,
     )
 
 
@@ -237,6 +256,9 @@ def _one_gradient_buffer(rank: int, ws: int) -> None:
     largest = max(sum(p.padded_numel for p in group.params) * 4 for group in groups(stepped))
     pool = groups(stepped)[0].comm.host_grads
     assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
+    memory = fl.offload.host_memory(stepped)
+    assert (memory.gradients, memory.own_buffers) == (largest, 0)
+    assert memory.pinned == memory.registered == memory.shards + largest
     total = sum(sum(p.padded_numel for p in group.params) * 4 for group in groups(kept))
     assert groups(kept)[0].comm.host_grads.nbytes("registered") == total
 

@@ -3,7 +3,8 @@
 ``fast_host_step(optimizer)``: the optimizer step of CPU-offloaded parameters on torch's fused CPU Adam/AdamW
 kernel; ``step_in_backward(model, optimizer_factory)``: each group stepped inside backward as its reduced
 gradients land (``host_step.py``; docs/offload.md); ``nvme_stats(optimizer)``: the bytes on disk, in host
-memory and moved per step of an optimizer whose state lives on NVMe (``CPUOffloadPolicy(optimizer="nvme")``).
+memory and moved per step of an optimizer whose state lives on NVMe (``CPUOffloadPolicy(optimizer="nvme")``);
+``host_memory(model)``: the host memory offload holds for a model, pinned and not (``memory.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from fsdp2lite._runtime.nvme import NVMeStats, nvme_state
 from fsdp2lite.offload.host_step import StepInBackward, fast_host_step, step_in_backward
+from fsdp2lite.offload.memory import HostMemory, host_memory
 
 
 def nvme_stats(optimizer: torch.optim.Optimizer) -> NVMeStats | None:
@@ -21,4 +23,12 @@ def nvme_stats(optimizer: torch.optim.Optimizer) -> NVMeStats | None:
     return None if engine is None else engine.stats()
 
 
-__all__ = ["NVMeStats", "StepInBackward", "fast_host_step", "nvme_stats", "step_in_backward"]
+__all__ = [
+    "HostMemory",
+    "NVMeStats",
+    "StepInBackward",
+    "fast_host_step",
+    "host_memory",
+    "nvme_stats",
+    "step_in_backward",
+]
