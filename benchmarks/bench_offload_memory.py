@@ -105,25 +105,12 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return tensor.to_local().nbytes if hasattr(tensor, "to_local") else tensor.nbytes  # a DTensor: this rank's
 
 
-def arenas(model: torch.nn.Module) -> list[Any]:
-    """fsdp2lite's host buffers, one per offloaded group ([Note: one host buffer per group])."""
-    groups = [getattr(m._fsdp_state, "group", None) for m in model.modules() if isinstance(m, fl.FSDPModule)]
-    return [group.host_arena for group in groups if group is not None and group.host_arena is not None]
-
-
-def grad_buffers(model: torch.nn.Module) -> list[Any]:
-    """fsdp2lite's reduced-gradient host buffers: the root's pool ([Note: host gradient buffers])."""
-    groups = [getattr(m._fsdp_state, "group", None) for m in model.modules() if isinstance(m, fl.FSDPModule)]
-    found = [group for group in groups if group is not None]
-    return list(found[0].comm.host_grads.buffers) if found else []
-
-
 def host_bytes(setup: Setup, run: Run) -> list[int]:
     """``BYTE_FIELDS`` of one run on this rank, after its last step."""
     (optimizer,) = run.optimizers
     in_memory = sum(_local_bytes(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     mine = setup.library == "fsdp2lite"
-    shards = sum(a.nbytes for a in arenas(run.model)) if mine else sum(map(_local_bytes, run.model.parameters()))
+    shards = fl.offload.host_memory(run.model).shards if mine else sum(map(_local_bytes, run.model.parameters()))
     stats = nvme_stats(optimizer)
     if stats is None:
         return [in_memory, 0, 0, 0, 0, 0, 0, 0, shards]
@@ -328,10 +315,10 @@ def pinned_now(model: GPT, baseline: int | None) -> dict[str, Any]:
     exact size (the allocator does not see those; buffers it pinned itself are in its count)."""
     allocator, key = allocator_pinned_bytes()
     by_pinning = {"registered": 0, "allocator": 0, "none": 0}
-    for arena in arenas(model):
-        by_pinning[arena.pinning] += arena.nbytes
-    for kept in grad_buffers(model):
-        by_pinning[kept.pinning] += kept.raw.nbytes
+    if any(isinstance(module, fl.FSDPModule) for module in model.modules()):
+        mine = fl.offload.host_memory(model)  # packed shards, own buffers and the gradient pool
+        by_pinning = {"registered": mine.registered, "allocator": mine.pinned - mine.registered,
+                      "none": mine.total - mine.pinned}  # fmt: skip
     held = None if allocator is None or baseline is None else allocator - baseline
     return {
         "allocator_bytes": held, "registered_bytes": by_pinning["registered"], "arena_bytes": by_pinning,
