@@ -72,7 +72,7 @@ class FSDPModule(_TorchFSDPModule):
         """A new instance made from an FSDP class (``nn.Sequential`` slicing calls ``self.__class__(...)``)
         is of the original class, unsharded, as torch's: the state belongs to the sharded instance only."""
         original = cls.__mro__[cls._orig_cls_mro_index]
-        instance = original.__new__(original)  # type: ignore[call-overload]  # an nn.Module subclass
+        instance = original.__new__(original)
         instance.__init__(*args, **kwargs)
         return instance
 
@@ -83,7 +83,7 @@ class FSDPModule(_TorchFSDPModule):
             "copy the model before fully_shard, or move state with state_dict()/load_state_dict()"
         )
 
-    def _get_fsdp_state(self) -> _ForwardHooksView:  # type: ignore[override]  # our state, viewed as torch's hooks use it
+    def _get_fsdp_state(self) -> _ForwardHooksView:
         """What torch's own ``register_fsdp_forward_method`` calls (``_pre_forward``/``_post_forward``):
         a view onto fsdp2lite's state. torch's private state (its param groups) does not exist here."""
         return _ForwardHooksView(self._fsdp_state)
@@ -95,7 +95,7 @@ class FSDPModule(_TorchFSDPModule):
             "(set_forward_prefetch_depth on the root) issues all-gathers ahead instead"
         )
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]  # our handle class
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group now (e.g. ahead of use); ``async_op`` returns a handle."""
         group = self._fsdp_state.group
         if group is not None:
@@ -119,9 +119,7 @@ class FSDPModule(_TorchFSDPModule):
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(  # type: ignore[override]  # also an int k, as fully_shard takes
-        self, reshard_after_forward: bool | int, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         """Free (True), keep (False) or shrink to k-rank shards (int k) the unsharded parameters
         between forward and backward. An int creates process groups: call it on every rank."""
         check_reshard_after_forward(reshard_after_forward, allow_none=False)
@@ -148,12 +146,12 @@ class FSDPModule(_TorchFSDPModule):
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]  # ours
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups as soon as this module's group is unsharded in forward
         (replaces the recorded-order prefetch for this module)."""
         self._own_group("set_modules_to_forward_prefetch").forward_prefetch = _prefetch_groups(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:  # type: ignore[override]  # ours
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups as soon as this module's group is unsharded in backward
         (replaces the reverse-order prefetch for this module)."""
         self._own_group("set_modules_to_backward_prefetch").backward_prefetch = _prefetch_groups(modules)
