@@ -179,6 +179,7 @@ def test_gradient_pool_reuses_free_buffers_only() -> None:
     assert pool.nbytes() == 2400 and held.data_ptr() != small.data_ptr()
     pinned_ask = pool.take(10, torch.float32, pin=True)  # never one made for the other pin setting
     assert pool.nbytes() == 2440 and pinned_ask.numel() == 10
+    assert pool.take(0, torch.float32, pin=False).numel() == 0 and pool.nbytes() == 2440  # nothing taken
 
 
 def test_gradient_pool_serves_groups_like_the_two_schedules() -> None:

@@ -134,6 +134,8 @@ class HostGradPool:
         """A ``(numel,)`` host tensor of ``dtype`` that nothing else holds: the smallest free buffer that fits,
         or a new one of exactly its bytes (pinned when ``pin``; the free ones too small dropped first)."""
         nbytes = numel * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)  # holds no buffer: an empty view would keep one from reuse
         free = [buffer for buffer in self.buffers if buffer.pin == pin and buffer.is_free()]
         fits = [buffer for buffer in free if buffer.raw.nbytes >= nbytes]
         if fits:
