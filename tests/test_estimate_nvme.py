@@ -79,6 +79,9 @@ def test_nvme_moves_the_optimizer_state_to_files_exact_bytes() -> None:
     in_memory = optimizer * 3 * BLOCK // (3 * BLOCK + HEAD)  # the offloaded share of it
     assert host.host_exact_bytes == 3 * BLOCK + 3 * BLOCK + in_memory  # masters, gradient buffers, state
     assert host.host_bytes == host.host_exact_bytes  # every pinned buffer registered at its size
+    # stepping in backward one gradient buffer, a block's, serves the three blocks: [Note: host gradient buffers]
+    assert host.host_bytes_step_in_backward == host.host_bytes - 3 * BLOCK + BLOCK
+    assert any(f"one gradient buffer serves every group: {host.host_bytes - 2 * BLOCK:,} bytes" in n for n in host.notes)
     steps = in_memory - 3 * 2 * BLOCK  # the step counters' share stays in host memory
     assert nvme.host_exact_bytes == 3 * BLOCK + 3 * BLOCK + steps + 2 * 2 * BLOCK
     assert nvme.host_bytes == nvme.host_exact_bytes
@@ -103,6 +106,7 @@ def test_simulate_counts_nvme_as_analytic_does() -> None:
     assert nvme.peak_bytes == host.peak_bytes and nvme.nvme_bytes == 3 * 2 * 2 * 4096
     assert host.host_exact_bytes - nvme.host_exact_bytes == 3 * 2 * BLOCK - 2 * 2 * BLOCK
     assert nvme.host_bytes - host.host_bytes == 2 * 2 * BLOCK - 3 * 2 * BLOCK  # slots pinned at their size
+    assert host.host_bytes_step_in_backward == host.host_bytes - 2 * BLOCK  # as analytic: one gradient buffer
 
 
 def test_nvme_step_time() -> None:

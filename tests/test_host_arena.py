@@ -105,6 +105,9 @@ def scenario_planner_counts_the_buffers(rank: int, ws: int) -> None:
     shards = sum(t.nbytes for group in groups(model) for p in group.params if (t := host_tensor(p)) is not None)
     steps = 4 * len(list(model.parameters()))
     assert estimate.host_exact_bytes == packed + 3 * shards + steps, (estimate.host_exact_bytes, packed, shards)
+    per_group = [sum(t.nbytes for p in group.params if (t := host_tensor(p)) is not None) for group in groups(model)]
+    in_backward = estimate.host_exact_bytes - sum(per_group) + max(per_group)  # one gradient buffer, the largest
+    assert estimate.host_bytes_step_in_backward == in_backward, (estimate.host_bytes_step_in_backward, per_group)
     memory = fl.offload.host_memory(model)  # what the runtime holds, read back: the packed buffers
     assert (memory.shards, memory.own_buffers, memory.gradients) == (packed, 0, 0)  # CPU mesh: reduced in place
     assert (memory.pinned, memory.registered, memory.offloaded_groups) == (0, 0, len(groups(model)))

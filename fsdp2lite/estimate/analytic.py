@@ -113,6 +113,7 @@ def analytic_estimate(
     return MemoryEstimate(
         world_size, rank, peak, phase, None, _breakdown(name, terms), "analytic", device, notes,
         host_bytes=host.pinned, host_exact_bytes=host.exact, nvme_bytes=host.nvme,
+        host_bytes_step_in_backward=host.pinned_in_backward,
         finetune=finetune.kind, reserved_bytes=reserved.reserved_bytes if reserved else 0,
         reserved_expandable_bytes=reserved.expandable_bytes if reserved else 0,
     )  # fmt: skip
@@ -263,8 +264,18 @@ def group_bytes(
         pinned_sum, exact = packed + sum(pin(n) for n in requests), packed + sum(requests)
         out.append(
             GroupBytes(
-                sharded, trainable, unsharded, grads, reduced, dequantized, pinned_sum, exact, file_bytes, slot_bytes
-            )
+                sharded,
+                trainable,
+                unsharded,
+                grads,
+                reduced,
+                dequantized,
+                pinned_sum,
+                exact,
+                file_bytes,
+                slot_bytes,
+                grad_shards,
+            )  # fmt: skip
         )
     return out
 

@@ -39,6 +39,7 @@ class MemoryEstimate:
     reserved_expandable_bytes: int = 0  # the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     host_exact_bytes: int = 0  # host_bytes at the sizes asked for, before the pinned allocator rounds them
     nvme_bytes: int = 0  # with optimizer: nvme, the optimizer state in files; read and written once per step
+    host_bytes_step_in_backward: int = 0  # host_bytes when each group steps in backward (fsdp2lite.step_in_backward)
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON record (``fsdp2lite estimate --json``)."""
@@ -235,3 +236,4 @@ class GroupBytes:
     host_exact: int = 0  # the same at the sizes asked for ([Note: host bytes])
     state_file: int = 0  # optimizer: nvme: one state tensor per trainable shard, as its file lays them out
     state_slot: int = 0  # the same as a staging slot lays them out
+    grad_buffer: int = 0  # with CPU offload: its host gradient buffer (in ``pinned`` and ``host_exact``)

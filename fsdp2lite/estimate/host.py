@@ -8,9 +8,10 @@ registering exactly its bytes with the driver ([Note: one host buffer per group]
 NF4 shards and HFSDP's replica-sharded ones keep a buffer each (``_runtime/pinned.host_buffer``); the group's
 reduced gradients land in a buffer of the same exact kind from the root's pool ([Note: host gradient buffers]
 in ``_runtime/pinned.py``): with gradients kept until ``optimizer.step()`` one per group, reused every step, as
-counted here (``fsdp2lite.step_in_backward`` needs only the largest group's: the count is an upper bound there;
-a reduction that finds gradients still held, e.g. kept with ``zero_grad(set_to_none=False)``, takes one more
-buffer: not counted); the optimizer state is made by the optimizer, pageable.
+counted in ``host_bytes`` (``fsdp2lite.step_in_backward`` needs only the largest group's:
+``host_bytes_step_in_backward``; a reduction that finds gradients still held, e.g. kept with
+``zero_grad(set_to_none=False)``, takes one more buffer: not counted); the optimizer state is made by the
+optimizer, pageable.
 
 Pinned sizes. With ``pin_memory: true`` on a CUDA target, the buffers other than the packed one come from
 torch's pinned (caching host) allocator, which rounds every request up to the next power of two before
@@ -52,6 +53,13 @@ class HostBytes:
     exact: int  # host memory at the sizes asked for
     nvme: int  # optimizer state in files (read and written once per step)
     staging: int  # of ``pinned``: the two NVMe staging buffers
+    gradients: int = 0  # of ``pinned``: the offloaded groups' gradient buffers, one per group
+    largest_gradients: int = 0  # the largest of them: all step_in_backward needs
+
+    @property
+    def pinned_in_backward(self) -> int:
+        """``pinned`` when each group steps inside backward: one gradient buffer serves every group."""
+        return self.pinned - self.gradients + self.largest_gradients if self.pinned else 0
 
 
 def offloaded_groups(plan: Plan) -> list[int]:
@@ -79,6 +87,8 @@ def host_bytes(plan: Plan, groups: list[GroupBytes], trained: list[int], moved_s
         exact=sum(groups[index].host_exact for index in offloaded) + state + staging,
         nvme=sum(tensors * groups[index].state_file for index in on_nvme),
         staging=staging,
+        gradients=sum(groups[index].grad_buffer for index in offloaded),
+        largest_gradients=max((groups[index].grad_buffer for index in offloaded), default=0),
     )
 
 
@@ -105,5 +115,10 @@ def host_note(host: HostBytes) -> str:
         text += (
             f"; optimizer state on NVMe: {host.nvme:,} bytes per rank, read and written once per step, through two "
             f"staging buffers ({host.staging:,} bytes of the host's)"
+        )
+    if host.gradients > host.largest_gradients:
+        text += (
+            f"; stepping each group in backward (fsdp2lite.step_in_backward) one gradient buffer serves every group: "
+            f"{host.pinned_in_backward:,} bytes"
         )
     return text

@@ -139,6 +139,7 @@ def _planned(
         host_bytes=host.pinned,
         host_exact_bytes=host.exact,
         nvme_bytes=host.nvme,
+        host_bytes_step_in_backward=host.pinned_in_backward,
         notes=notes,
         finetune=finetune.kind if finetune is not None else "full",
     )
