@@ -5,6 +5,7 @@ pageable memory as the fallbacks. One spawn of 2 gloo ranks; a gpu test checks t
 
 from __future__ import annotations
 
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -31,6 +32,12 @@ def shard(model: nn.Module, offload: fl.OffloadPolicy | None, mesh: object = Non
         fl.fully_shard(block, mesh, offload_policy=offload)
     fl.fully_shard(model, mesh, offload_policy=offload)
     return model
+
+
+def seeded(make: Any) -> nn.Module:
+    """``make()`` after seeding torch: two calls give the same weights."""
+    torch.manual_seed(0)
+    return make()
 
 
 def check_packed(model: nn.Module, label: str) -> list[int]:
@@ -242,8 +249,8 @@ def _one_gradient_buffer(rank: int, ws: int) -> None:
     backward (the kept-gradients schedule, one buffer per group)."""
     torch.cuda.set_device(0)
     mesh = fl.init_mesh(device_type="cuda")
-    kept = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
-    stepped = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
+    kept = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)
+    stepped = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)  # the same weights
     opt = torch.optim.AdamW(kept.parameters(), lr=1e-2)
     fl.step_in_backward(stepped, lambda params: torch.optim.AdamW(params, lr=1e-2))
     for step in range(3):
@@ -279,8 +286,8 @@ def _accumulated_on_cuda(rank: int, ws: int) -> None:
     the same model's without offload, accumulated on the device."""
     torch.cuda.set_device(0)
     mesh = fl.init_mesh(device_type="cuda")
-    offloaded = shard(tiny_gpt().cuda(), fl.CPUOffloadPolicy(), mesh)
-    resident = shard(tiny_gpt().cuda(), None, mesh)
+    offloaded = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)
+    resident = shard(seeded(tiny_gpt).cuda(), None, mesh)  # the same weights
     for step in range(2):
         batch = tuple(t.cuda() for t in gpt_batch(step, rank))
         gpt_loss(offloaded, batch).backward()
