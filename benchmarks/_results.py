@@ -1,7 +1,8 @@
 """Where a benchmark run came from, and its files: machine, versions, command line, timestamp.
 
 ``environment(started)`` is the record every result file starts with; ``save_run`` writes
-``<out_dir>/<name>-<device>-<YYYYmmdd-HHMMSS>.json`` and a ``.md`` beside it.
+``<out_dir>/<name>-<device>-<YYYYmmdd-HHMMSS>.json`` and a ``.md`` beside it; ``finish_run`` is a run's end:
+those files (unless not saving), then the one JSON line a benchmark prints last.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,20 @@ def save_run(out_dir: Path, stem: str, record: dict[str, Any], md: str) -> list[
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     md_path.write_text(md)
     return [str(json_path), str(md_path)]
+
+
+def finish_run(
+    console: Any, out_dir: Path, stem: str | None, env: dict[str, Any], summary: dict[str, Any], md: str, start: float
+) -> dict[str, Any]:
+    """A run's end: ``save_run`` (``{**env, **summary}`` and ``md``) unless ``stem`` is None, each path said on
+    ``console``; then the record (``env``, ``wall_s`` since ``start`` by ``time.perf_counter``, the files,
+    ``summary``) printed as one JSON line, and returned."""
+    files = [] if stem is None else save_run(out_dir, stem, {**env, **summary}, md)
+    for path in files:
+        console.print(f"wrote {path}", highlight=False)
+    record = {**env, "wall_s": round(time.perf_counter() - start, 1), "files": files, **summary}
+    print(json.dumps(record))
+    return record
 
 
 def gpt_title(summary: dict[str, Any]) -> str:

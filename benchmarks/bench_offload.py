@@ -72,7 +72,7 @@ from _offload_runs import LR, MAIN, RIVAL, SETUPS, Setup, build, extra_step, gro
 from _offload_runs import Run as Run  # bench_offload_memory.py imports these three from here
 from _offload_runs import make_batch as make_batch
 from _offload_runs import time_interleaved as time_interleaved
-from _results import environment, environment_markdown, gpt_title, markdown_table, save_run
+from _results import environment, environment_markdown, finish_run, gpt_title, markdown_table
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
 from rich.table import Table
@@ -321,16 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = measure(args, config, console)
     summary = summarize(result, args, config, load)
     render(console, summary)
-    files = []
-    if not args.no_save:
-        fake = f"-fake{args.world_size}" if args.fake_world else ""
-        stem = f"offload-{args.device}{fake}-{started:%Y%m%d-%H%M%S}"
-        files = save_run(args.out_dir, stem, {**env, **summary}, markdown(summary, env))
-        for path in files:
-            console.print(f"wrote {path}", highlight=False)
-    record = {**env, "wall_s": round(time.perf_counter() - start, 1), "files": files, **summary}
-    print(json.dumps(record))
-    return record
+    fake = f"-fake{args.world_size}" if args.fake_world else ""
+    stem = None if args.no_save else f"offload-{args.device}{fake}-{started:%Y%m%d-%H%M%S}"
+    return finish_run(console, args.out_dir, stem, env, summary, markdown(summary, env), start)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _results import environment, environment_markdown, gpt_title, markdown_table, save_run
+from _results import environment, environment_markdown, finish_run, gpt_title, markdown_table
 from bench_offload import Run, make_batch, time_interleaved
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
@@ -500,16 +500,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env, args.load = environment(started), os.getloadavg()[0]  # the code that runs and the machine's load, before
     config = GPTConfig(args.vocab, args.seq_len, args.d_model, args.heads, args.layers, tie_embeddings=True)
     summary, body = (run_cpu if args.device == "cpu" else run_gpu)(args, config, console)
-    files = []
-    if not args.no_save and not args.dry_run:
-        stem = f"offload-memory-{args.device}-{started:%Y%m%d-%H%M%S}"
-        md = f"# bench_offload_memory on {args.device}\n\n{body}\n{environment_markdown(env)}"
-        files = save_run(args.out_dir, stem, {**env, **summary}, md)
-        for path in files:
-            console.print(f"wrote {path}", highlight=False)
-    record = {**env, "wall_s": round(time.perf_counter() - start, 1), "files": files, **summary}
-    print(json.dumps(record))
-    return record
+    saving = not args.no_save and not args.dry_run
+    stem = f"offload-memory-{args.device}-{started:%Y%m%d-%H%M%S}" if saving else None
+    md = f"# bench_offload_memory on {args.device}\n\n{body}\n{environment_markdown(env)}"
+    return finish_run(console, args.out_dir, stem, env, summary, md, start)
 
 
 if __name__ == "__main__":

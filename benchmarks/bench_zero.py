@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _meters import tracked_peak  # benchmarks/ is sys.path[0] when run as a script
-from _results import environment, environment_markdown, markdown_table, save_run
+from _results import environment, environment_markdown, finish_run, markdown_table
 from bench_step import median_ratio, spawn_and_read
 from rich.console import Console
 from rich.table import Table
@@ -483,15 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = run_ranks(shape, args.warmup, args.steps)
     summary = summarize(result, shape, args.warmup, args.steps, load)
     render(console, summary)
-    files = []
-    if not args.no_save:
-        stem = f"zero-{DEVICE}-{started:%Y%m%d-%H%M%S}"
-        files = save_run(args.out_dir, stem, {**env, **summary}, markdown(summary, env))
-        for path in files:
-            console.print(f"wrote {path}", highlight=False)
-    record = {**env, "wall_s": round(time.perf_counter() - start, 1), "files": files, **summary}
-    print(json.dumps(record))
-    return record
+    stem = None if args.no_save else f"zero-{DEVICE}-{started:%Y%m%d-%H%M%S}"
+    return finish_run(console, args.out_dir, stem, env, summary, markdown(summary, env), start)
 
 
 if __name__ == "__main__":
