@@ -44,7 +44,7 @@ from .common import (
     step_loss,
 )
 from .finetune import Finetune
-from .host import host_bytes, host_note, on_host_optimizer
+from .host import host_bytes, host_note, offloaded_groups, on_host_optimizer
 from .reserved import AllocationRecorder, from_replay, streams_tagged
 
 _SCHEDULE_SETTERS = (
@@ -118,7 +118,7 @@ def _planned(
     the NF4 weights in bf16, and its trainable shards' bytes."""
     groups, bf16, trained = bytes_of
     breakdown = dict(estimate.breakdown)
-    offloaded = [index for index, group in enumerate(plan.groups) if group.policy.offload.device == "cpu"]
+    offloaded = offloaded_groups(plan)
     if groups is not bf16:
         kept = [i for i in range(len(groups)) if i not in offloaded]
         breakdown["params"] -= sum(bf16[i].sharded - groups[i].sharded for i in kept)
