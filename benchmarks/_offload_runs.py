@@ -33,7 +33,13 @@ class Setup:
 
     name: str  # row label and JSON key
     library: str  # "fsdp2lite" or "torch"
-    step: str  # "loop": AdamW as constructed (Placement.foreach); "fused": fast_host_step(AdamW); "in_backward"
+    step: str  # "loop": AdamW as constructed (Placement.foreach); "fused": fast_host_step(AdamW); "in_backward":
+    # step_in_backward with fast_host_step(AdamW) per group, host steps overlapping backward; "in_backward_serial":
+    # the same with overlap=False, each step in backward's own thread
+
+    @property
+    def in_backward(self) -> bool:
+        return self.step.startswith("in_backward")
 
 
 SETUPS = (
@@ -42,6 +48,7 @@ SETUPS = (
     Setup("fsdp2lite + AdamW", "fsdp2lite", "loop"),
     Setup("torch + fast_host_step", "torch", "fused"),
     Setup("fsdp2lite + step_in_backward", "fsdp2lite", "in_backward"),
+    Setup("fsdp2lite + step_in_backward, overlap off", "fsdp2lite", "in_backward_serial"),
 )
 MAIN = SETUPS[0].name  # the row the target is about
 
@@ -86,8 +93,9 @@ def build(setup: Setup, config: GPTConfig, mesh: DeviceMesh, placement: Placemen
         model = GPT(config)
     for module in [*model.blocks, model]:
         _shard(module, setup.library, mesh, placement)
-    if setup.step == "in_backward":
-        handle = step_in_backward(model, lambda params: fast_host_step(torch.optim.AdamW(params, lr=LR)))
+    if setup.in_backward:
+        adamw = lambda params: fast_host_step(torch.optim.AdamW(params, lr=LR))  # noqa: E731
+        handle = step_in_backward(model, adamw, overlap=setup.step == "in_backward")
         return Run(model, handle.optimizers, False, [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=placement.foreach)
     return Run(model, [fast_host_step(optimizer) if setup.step == "fused" else optimizer], True, [])

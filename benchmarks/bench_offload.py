@@ -15,7 +15,9 @@ AdamW's state live on the host in every run:
     fsdp2lite + AdamW           fsdp2lite with the rival's step: the runtime's share apart from the step's
     torch + fast_host_step      the rival's runtime with the fused step: the step's share apart from the runtime's
     fsdp2lite + step_in_backward  ``step_in_backward(model, lambda ps: fast_host_step(AdamW(ps)))``: each group
-                                stepped inside backward as its reduced gradients land, its gradients freed at once
+                                stepped inside backward as its reduced gradients land, its gradients freed at once,
+                                on a host thread while backward goes on
+    ... , overlap off           the same with ``overlap=False``: each step in backward's own thread
 Per run and step, after warm-up, step i of every run in turn, a barrier before each, each time the slowest rank's:
 the whole step (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) and the host step
 (``optimizer.step()`` alone). Reported: medians, and medians of per-step ratios against torch (adjacent steps cancel
@@ -28,7 +30,7 @@ Fake-world half (``--device cuda``, or ``--fake-world`` on CPU: the same code wi
 of a fake process group of ``--world-size`` (default 8; ``torch.testing._internal.distributed.fake_pg``), the model
 built on the device, every shard with its real size for that world offloaded to host memory: pinned on a GPU
 (``fl.CPUOffloadPolicy(pin_memory=True)`` against torch's ``CPUOffloadPolicy(pin_memory=True)``), pageable on CPU;
-bf16 parameters and fp32 reduction (``MixedPrecisionPolicy`` on both); the same five runs, the rival's AdamW with
+bf16 parameters and fp32 reduction (``MixedPrecisionPolicy`` on both); the same six runs, the rival's AdamW with
 ``foreach=True``. On cuda the defaults are the H100 evidence run's GPT (gpu-2026-11-24, "340M (4 layers)": d 2048, 4
 layers, 16 heads, vocab 32768, untied, seq 2048, batch 4). Per run and step, interleaved as above, with
 ``torch.cuda.synchronize()`` before each step and before its clock stops: the whole step and ``optimizer.step()``
@@ -142,7 +144,7 @@ def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
     losses = result["losses"][setup.name] if result["losses"] else None  # None: fake collectives, garbage values
     rival = result["losses"][RIVAL] if result["losses"] else None
     ops = result["rank0_step_ops"][setup.name]
-    after = setup.step != "in_backward"
+    after = not setup.in_backward
     return {
         "library": setup.library, "step": setup.step, "param_groups": result["param_groups"][setup.name],
         "step_ms_median": 1e3 * statistics.median(whole), "step_ms": [1e3 * t for t in whole],

@@ -219,7 +219,7 @@ def test_bench_offload_runs_both_libraries_with_offload(tmp_path: Path, capsys: 
     for name, row in runs.items():
         assert all(group["fused"] is (None if row["step"] == "loop" else True) for group in row["param_groups"]), name
         assert len(row["step_ms"]) == 3 and row["max_loss_diff_vs_torch"] < 1e-5, name
-        if row["step"] == "in_backward":
+        if row["step"].startswith("in_backward"):
             assert row["host_step_ms"] is None and row["rank0_ops_per_host_step"] is None, name
             assert row["grads_mib_after_backward"] == 0 and len(row["param_groups"]) == 2, name  # root, one block
             continue
@@ -369,7 +369,7 @@ def test_bench_offload_fake_world_on_cpu(capsys: pytest.CaptureFixture[str]) -> 
     assert list(runs) == [setup.name for setup in bench_offload.SETUPS]
     for name, row in runs.items():
         assert len(row["step_ms"]) == 2 and row["losses"] is None and row["max_loss_diff_vs_torch"] is None, name
-        if row["step"] == "in_backward":
+        if row["step"].startswith("in_backward"):
             assert row["grads_mib_after_backward"] == 0 and len(row["param_groups"]) == 2, name  # root, one block
             continue
         fused = row["step"] == "fused"

@@ -81,7 +81,8 @@ def test_nvme_moves_the_optimizer_state_to_files_exact_bytes() -> None:
     assert host.host_bytes == host.host_exact_bytes  # every pinned buffer registered at its size
     # stepping in backward one gradient buffer, a block's, serves the three blocks: [Note: host gradient buffers]
     assert host.host_bytes_step_in_backward == host.host_bytes - 3 * BLOCK + BLOCK
-    assert any(f"one gradient buffer serves every group: {host.host_bytes - 2 * BLOCK:,} bytes" in n for n in host.notes)
+    one_buffer = f"one gradient buffer serves every group: {host.host_bytes - 2 * BLOCK:,} bytes"
+    assert any(one_buffer in note for note in host.notes)
     steps = in_memory - 3 * 2 * BLOCK  # the step counters' share stays in host memory
     assert nvme.host_exact_bytes == 3 * BLOCK + 3 * BLOCK + steps + 2 * 2 * BLOCK
     assert nvme.host_bytes == nvme.host_exact_bytes

@@ -215,6 +215,31 @@ def test_gradient_pool_serves_groups_like_the_two_schedules() -> None:
     assert stepped.nbytes() == 1000 and len(stepped.buffers) == 1
 
 
+def test_gradient_pool_waits_for_the_host_steps_before_growing() -> None:
+    """``step_in_backward`` off backward's thread: the step of the group reduced last may still hold its buffer
+    when the next group's gradients need one. The pool then waits for the host steps (which free it) and reuses
+    it; it makes a new buffer only when that wait freed nothing that fits ([Note: host steps off backward's
+    thread])."""
+    in_flight: list[torch.Tensor] = []  # gradients a host step still reads
+    waits: list[int] = []
+
+    def wait_for_readers() -> bool:
+        waits.append(len(in_flight))
+        had = bool(in_flight)
+        in_flight.clear()  # the steps finished: their gradients set to None
+        return had
+
+    pool = pinned.HostGradPool(wait_for_readers)
+    in_flight.append(pool.take(250, torch.float32, pin=False))  # the pool is empty: waits (nothing), makes one
+    for n in (100, 250, 100):  # each group's buffer is still being stepped when the next one's is asked for
+        in_flight.append(pool.take(n, torch.float32, pin=False))
+    assert waits == [0, 1, 1, 1] and len(pool.buffers) == 1 and pool.nbytes() == 1000
+    bigger = pool.take(300, torch.float32, pin=False)  # waited, the one buffer freed but too small: a new one
+    assert waits[-1] == 1 and bigger.numel() == 300 and pool.nbytes() == 1200 and len(pool.buffers) == 1
+    kept = pool.take(10, torch.float32, pin=False)  # held by ``bigger`` outside any step: the wait frees nothing
+    assert waits[-1] == 0 and pool.nbytes() == 1240 and kept.data_ptr() != bigger.data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned shards and gradients on the host")
 def test_offloaded_group_pins_shards_and_gradients_once_on_cuda() -> None:

@@ -13,7 +13,9 @@ update at lr 1e-2, so a skipped, repeated or mis-corrected step fails.
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,63 @@ def check_step_in_backward(rank: int, ws: int) -> None:
     assert len(made) == 3 and all(p.grad is not None for p in fresh.parameters())  # no hook was registered
 
 
+def _signal_on_grad(released: threading.Event, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """Forward hook: set ``released`` when backward computes the gradient of ``module``'s output."""
+    output.register_hook(lambda grad: released.set())
+
+
+def _note_signal(released: threading.Event, seen: list[bool], wait: bool, *_: Any) -> None:
+    """Step pre-hook: note whether ``released`` is set (after waiting up to a minute for it, with ``wait``)."""
+    seen.append(released.wait(60) if wait else released.is_set())
+
+
+def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
+    """Host groups step on a thread of their own while backward goes on ([Note: host steps off backward's thread]):
+    the last block's step waits for a signal that only comes once backward has moved on to the first block (the
+    gradient of the first block's output), and gets it; with ``overlap=False`` that step runs before, so the signal
+    is not there yet. Either way backward returns with every group stepped and the same parameters. A step that
+    raises makes ``loss.backward()`` raise its error; the groups reduced after it keep their gradients, unstepped;
+    the next backward steps every group again."""
+    stepped: dict[bool, nn.Module] = {}
+    for overlap in (True, False):
+        model = offloaded_mlp()
+        released = threading.Event()
+        signalled: list[bool] = []
+        model.blocks[0].register_forward_hook(partial(_signal_on_grad, released))
+        handle = step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)), overlap=overlap)
+        assert handle.overlap is overlap
+        last_block = handle.optimizers[2]  # the root's, then blocks[0]'s, blocks[1]'s: blocks[1] is reduced first
+        last_block.register_step_pre_hook(partial(_note_signal, released, signalled, overlap))
+        for step in range(2):
+            released.clear()
+            mlp_loss(model, mlp_batch(step, rank)).backward()
+            assert all(p.grad is None for p in model.parameters()), (overlap, step)  # stepped when backward returns
+        assert signalled == [overlap, overlap], (overlap, signalled)
+        stepped[overlap] = model
+    for param, ref in zip(stepped[True].parameters(), stepped[False].parameters(), strict=True):
+        assert torch.equal(full(param), full(ref))
+
+    model = offloaded_mlp()
+    handle = step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)))
+    before = [full(p).clone() for p in model.parameters()]
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError(f"block 1 refuses to step on rank {rank}")
+
+    refusal = handle.optimizers[2].register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match=f"block 1 refuses to step on rank {rank}"):
+        mlp_loss(model, mlp_batch(0, rank)).backward()
+    for param, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(full(param), old)  # blocks[1] raised; blocks[0] and the root, reduced after it, skipped
+    assert sum(p.grad is not None for p in model.parameters()) == 15  # every gradient still there, none stepped
+    refusal.remove()
+    for optimizer in handle.optimizers:
+        optimizer.zero_grad()
+    mlp_loss(model, mlp_batch(1, rank)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(full(p), old) for p, old in zip(model.parameters(), before, strict=True))
+
+
 def test_fast_host_step_on_4_offloaded_ranks() -> None:
     spawn_checks(
         4,
@@ -218,6 +277,7 @@ def test_fast_host_step_on_4_offloaded_ranks() -> None:
         check_resident_groups_see_the_fused_step,
         check_uneven_shard_1,
         check_step_in_backward,
+        check_step_in_backward_overlaps,
     )
 
 

@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import AllGatherResult, Comm, all_gather_flat
+from .host_steps import run_post_accumulate_grad_hooks
 from .param import FSDPParam, make_dtensor
 from .quantize import exchange_rows, sum_received
 
@@ -474,22 +475,8 @@ def accumulate_sharded_grads(
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
-    _run_post_accumulate_grad_hooks(params, offload_event)
+    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps)  # [Note: host steps off backward's thread]
     return offload_event
-
-
-def _run_post_accumulate_grad_hooks(params: tuple[FSDPParam, ...], offload_event: torch.cuda.Event | None) -> None:
-    """``param.register_post_accumulate_grad_hook`` on a sharded parameter (e.g. an optimizer stepping
-    in backward): called once its reduced gradient is in ``.grad``, as autograd would for a leaf."""
-    for param in params:
-        hooks = getattr(param.sharded_param, "_post_accumulate_grad_hooks", None)
-        if not hooks:
-            continue
-        if offload_event is not None:
-            offload_event.synchronize()  # the hook reads the host gradient: its copy must be done
-            offload_event = None
-        for hook in tuple(hooks.values()):
-            hook(param.sharded_param)
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .host_steps import HostSteps
 from .pinned import HostGradPool
 from .trace import TraceRecorder
 
@@ -40,7 +41,8 @@ STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduc
 
 
 class Comm:
-    """Streams (CUDA) or nothing (CPU), the trace recorder, and the host gradient buffers of CPU offload."""
+    """Streams (CUDA) or nothing (CPU), the trace recorder, the host gradient buffers of CPU offload and the host
+    steps that free them."""
 
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
@@ -48,6 +50,7 @@ class Comm:
     wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
     wire: dict[str, int] | None  # while set (fl.count_wire_bytes): bytes this rank sent, per collective kind
     host_grads: HostGradPool  # CPU offload: the host buffers reduced gradients land in ([Note: host gradient buffers])
+    host_steps: HostSteps  # step_in_backward's host steps ([Note: host steps off backward's thread])
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -58,7 +61,8 @@ class Comm:
         self.recorder = None
         self.wait_instead = None
         self.wire = None
-        self.host_grads = HostGradPool()
+        self.host_steps = HostSteps()
+        self.host_grads = HostGradPool(self.host_steps.wait)  # the steps free buffers: waited before making one
 
     def count(self, kind: str, sent: int) -> None:
         """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""

@@ -28,14 +28,18 @@ exactly the bytes asked for is made. So:
   the reduction lands in another buffer of the pool and is added into them; the pool grows by the buffers in
   use at once, no more.
 Reuse is safe on CUDA: a buffer's last reader is the host (the optimizer step, after the end of backward
-waited on the copy; ``step_in_backward``'s hook, after it waited on the group's copy event), so the next
-copy into it is queued after every read of it has finished.
+waited on the copy; ``step_in_backward``'s step, after it waited on the group's copy event), so the next
+copy into it is queued after every read of it has finished. ``step_in_backward`` steps offloaded groups on a
+thread of their own ([Note: host steps off backward's thread] in host_steps.py): a request that finds no free
+buffer waits for those steps first, since each frees its group's buffer; so stepping off backward's thread
+still needs one buffer, not one per step in flight.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,18 +130,22 @@ class HostGradPool:
     """The host buffers a root's reduced gradients land in ([Note: host gradient buffers])."""
 
     buffers: list[PooledBuffer]  # oldest first
+    wait_for_readers: Callable[[], bool] | None  # waits for the host steps still reading buffers; True if any were
 
-    def __init__(self) -> None:
+    def __init__(self, wait_for_readers: Callable[[], bool] | None = None) -> None:
         self.buffers = []
+        self.wait_for_readers = wait_for_readers
 
     def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A ``(numel,)`` host tensor of ``dtype`` that nothing else holds: the smallest free buffer that fits,
-        or a new one of exactly its bytes (pinned when ``pin``; the free ones too small dropped first)."""
+        or, once the host steps in flight have finished and freed theirs, still none, a new one of exactly its
+        bytes (pinned when ``pin``; the free ones too small dropped first)."""
         nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)  # holds no buffer: an empty view would keep one from reuse
-        free = [buffer for buffer in self.buffers if buffer.pin == pin and buffer.is_free()]
-        fits = [buffer for buffer in free if buffer.raw.nbytes >= nbytes]
+        free, fits = self._free(nbytes, pin)
+        if not fits and self.wait_for_readers is not None and self.wait_for_readers():
+            free, fits = self._free(nbytes, pin)  # [Note: host steps off backward's thread] in host_steps.py
         if fits:
             chosen = min(fits, key=lambda buffer: buffer.raw.nbytes)  # the first of equal sizes: the oldest
         else:
@@ -146,6 +154,11 @@ class HostGradPool:
             chosen = PooledBuffer(raw, pin, pinning, use_count(raw))
             self.buffers.append(chosen)
         return chosen.raw[:nbytes].view(dtype)
+
+    def _free(self, nbytes: int, pin: bool) -> tuple[list[PooledBuffer], list[PooledBuffer]]:
+        """The free buffers of ``pin``'s kind, and those of them with room for ``nbytes``."""
+        free = [buffer for buffer in self.buffers if buffer.pin == pin and buffer.is_free()]
+        return free, [buffer for buffer in free if buffer.raw.nbytes >= nbytes]
 
     def nbytes(self, pinning: str | None = None) -> int:
         """Bytes the pool holds (of one pinning: "registered", "allocator" or "none")."""

@@ -228,6 +228,8 @@ class RootContext:
                 group.offload_event.synchronize()
                 group.offload_event = None
         self._end_backward_pass()
+        if self.comm is not None:
+            self.comm.host_steps.wait()  # return with every group stepped: [Note: host steps off backward's thread]
 
     def _end_backward_pass(self) -> None:
         for state in self.states:
@@ -240,6 +242,8 @@ class RootContext:
         in_backward = self.final_callback_queued or any(
             group.training_state in backward_states for group in self.groups()
         )
+        if self.comm is not None:
+            self.comm.host_steps.wait_quietly()  # no host step outlives the recovery
         for group in self.groups():
             group.reset(drop_unsharded_grads=in_backward)
         for state in self.states:

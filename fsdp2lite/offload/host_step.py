@@ -40,7 +40,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -262,6 +261,7 @@ class StepInBackward:
     """What ``step_in_backward`` set up: one optimizer per fsdp2lite group, stepped from backward."""
 
     optimizers: list[torch.optim.Optimizer]  # one per group with trainable parameters, in model.modules() order
+    overlap: bool  # host groups step on a thread of their own while backward goes on
     handles: list[RemovableHandle] = field(default_factory=list)  # the post-accumulate-grad hooks
 
     def remove(self) -> None:
@@ -272,7 +272,10 @@ class StepInBackward:
 
 
 def step_in_backward(
-    model: nn.Module, optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    model: nn.Module,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    overlap: bool = True,
 ) -> StepInBackward:
     """Step each fsdp2lite group of ``model`` inside backward, as soon as its reduced gradients are in ``.grad``.
 
@@ -280,24 +283,33 @@ def step_in_backward(
     torch.optim.AdamW(ps, lr=3e-4))``) over that group's trainable parameters; a hook on each sharded parameter
     (``register_post_accumulate_grad_hook``, which fsdp2lite calls once the group's reduced gradients are all in
     ``.grad``) steps the group's optimizer and sets its gradients to None: torch's "optimizer step in backward"
-    recipe, one step per group instead of per parameter. The hooks run in backward's own thread, between one group's
-    reduction and the next group's backward, so what is gained is memory: no group's gradients outlive its step, and
-    under CPU offload one pinned host buffer, the largest group's, takes every group's gradients in turn
-    ([Note: host gradient buffers] in ``_runtime/pinned.py``). Do not call ``step()`` yourself; there is no gradient
-    clipping across groups, since no group waits for the others. Microbatches with gradient sync off reduce nothing,
-    so they step nothing; the synchronising one steps. ``model`` must be the root ``fsdp2lite.FSDPModule``, between
-    steps. Every optimizer is made before any hook is registered; ``StepInBackward.remove()`` unregisters the hooks.
+    recipe, one step per group instead of per parameter. No group's gradients outlive its step, and under CPU
+    offload one pinned host buffer, the largest group's, takes every group's gradients in turn ([Note: host
+    gradient buffers] in ``_runtime/pinned.py``).
+
+    With ``overlap`` (the default) a group whose shards are on the host (CPU offload, or a CPU mesh) steps on a
+    worker thread while backward goes on to the next groups: on CUDA the device keeps running the backward while
+    the host steps, instead of waiting for each step ([Note: host steps off backward's thread] in
+    ``_runtime/host_steps.py``). ``loss.backward()`` returns once every group has stepped, either way, with the
+    same values; an error raised by a step is raised from it. ``overlap=False`` steps in backward's own thread.
+
+    Do not call ``step()`` yourself; there is no gradient clipping across groups, since no group waits for the
+    others. Microbatches with gradient sync off reduce nothing, so they step nothing; the synchronising one
+    steps. ``model`` must be the root ``fsdp2lite.FSDPModule``, between steps. Every optimizer is made before any
+    hook is registered; ``StepInBackward.remove()`` unregisters the hooks.
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(f"step_in_backward takes the root fsdp2lite.FSDPModule, got {type(model).__name__}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"step_in_backward: overlap must be True or False, got {overlap!r}")
     groups = _group_params(model)
     optimizers = [_make_optimizer(optimizer_factory, params, index) for index, params in enumerate(groups)]
     handles = [
-        param.register_post_accumulate_grad_hook(partial(_step_group, optimizer))
+        param.register_post_accumulate_grad_hook(_GroupStep(optimizer, overlap))
         for optimizer, params in zip(optimizers, groups, strict=True)
         for param in params
     ]
-    return StepInBackward(optimizers, handles)
+    return StepInBackward(optimizers, overlap, handles)
 
 
 def _group_params(root: nn.Module) -> list[list[nn.Parameter]]:
@@ -331,10 +343,20 @@ def _make_optimizer(
     return optimizer
 
 
-def _step_group(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook: step ``param``'s group over the gradients that have landed, then free them. The
-    group's first hook steps all of it; the others find their gradient gone."""
-    if param.grad is None:
-        return
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class _GroupStep:
+    """Post-accumulate-grad hook: step a group's optimizer over the gradients that have landed, then free them.
+    The group's first hook steps all of it; the others find their gradient gone. ``runs_off_thread`` lets the
+    runtime call it on its host-step thread ([Note: host steps off backward's thread])."""
+
+    optimizer: torch.optim.Optimizer
+    runs_off_thread: bool
+
+    def __init__(self, optimizer: torch.optim.Optimizer, overlap: bool) -> None:
+        self.optimizer = optimizer
+        self.runs_off_thread = overlap
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,119 @@
+"""What runs once a group's reduced gradients are in ``.grad``: the post-accumulate-grad hooks, in backward's
+thread or, for ``fsdp2lite.step_in_backward``'s host steps, on a thread of their own.
+
+[Note: host steps off backward's thread]
+``step_in_backward`` steps each group from a post-accumulate-grad hook. Run in backward's own thread, the
+step of an offloaded group stops everything: on CUDA the hook first waits for the group's gradients to reach
+the host (the copy lands after all device work queued before it), and the next group's backward is queued only
+after the step returns, so the device idles for the whole host step; on CPU the step and the backward take
+turns. ``HostSteps`` runs those steps on one worker thread instead, in the order their groups were reduced:
+
+    backward's thread   ... group k reduced -> submit step k -> queue group k-1's backward -> reduce k-1 ...
+    worker thread                              wait copy k -> step k (host) -> free k's gradients
+    device (CUDA)       ... RS k, copy k -> group k-1's backward kernels ... (no longer waits for step k)
+
+Who waits for it, and why:
+- a reduction that needs a host gradient buffer and finds none free (``HostGradPool.take``, [Note: host
+  gradient buffers] in pinned.py) waits for the steps first: they free their groups' buffers, so one buffer,
+  the largest group's, still serves every group, and step k overlaps the backward queued before group k-1's
+  reduction (on CUDA, what the device has in its queue; on CPU, the backward's own compute);
+- the end of backward (``RootContext.finalize_backward``) waits for all of them: ``loss.backward()`` returns
+  with every group stepped, as before, so the next forward, ``state_dict`` and user code read stepped shards;
+- an exception mid-step (``RootContext.reset``) waits too, so no step outlives the recovery.
+Only hooks that say so (``runs_off_thread``), of groups whose sharded parameters are on the host, go to the
+worker, and only when every hook of the group does: a hook of the user's might read the gradients the step
+frees. Everything else runs in backward's thread as autograd would, after the copy to the host landed.
+
+A step that raises stops the steps queued after it (as an exception in backward's thread would) and is
+raised by the next wait in backward's thread: from the reduction that waited, or from ``loss.backward()``.
+The worker runs outside backward's thread-local state: a ``TorchDispatchMode`` or ``no_grad`` entered around
+``backward()`` does not apply to it (the optimizers set their own grad mode).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .param import FSDPParam
+
+
+class HostSteps:
+    """One worker thread (started on first use) running host steps in submission order, and the steps in flight."""
+
+    executor: ThreadPoolExecutor | None
+    pending: list[Future[None]]  # submitted, not yet waited on, oldest first
+    failed: bool  # a step raised: the ones queued after it are skipped until it is waited on
+
+    def __init__(self) -> None:
+        self.executor = None
+        self.pending = []
+        self.failed = False
+
+    def submit(self, step: Callable[[], None], copy_event: torch.cuda.Event | None) -> None:
+        """Run ``step`` on the worker after the steps already submitted, once ``copy_event`` (the gradients'
+        copy to the host) has completed."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2lite-host-step")
+        self.pending.append(self.executor.submit(self._run, step, copy_event))
+
+    def _run(self, step: Callable[[], None], copy_event: torch.cuda.Event | None) -> None:
+        if self.failed:
+            return  # an earlier step raised: backward's thread will raise it, as if it had stopped there
+        try:
+            if copy_event is not None:
+                copy_event.synchronize()  # the step reads the host gradients: their copy must have landed
+            step()
+        except BaseException:
+            self.failed = True
+            raise
+
+    def wait(self) -> bool:
+        """Wait for every submitted step; raise the first error one raised. True when any was in flight."""
+        pending, self.pending = self.pending, []
+        errors = [error for future in pending if (error := future.exception()) is not None]
+        self.failed = False
+        if errors:
+            raise errors[0]
+        return bool(pending)
+
+    def wait_quietly(self) -> None:
+        """Wait for every submitted step, after an exception elsewhere: a step's own error becomes a warning,
+        so the exception being handled is the one raised."""
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001 - reported, not swallowed: the caller is already raising
+            warnings.warn(f"fsdp2lite: a host step in backward also raised: {error!r}", RuntimeWarning, stacklevel=2)
+
+
+def run_post_accumulate_grad_hooks(
+    params: tuple[FSDPParam, ...], copy_event: torch.cuda.Event | None, host_steps: HostSteps
+) -> None:
+    """``param.register_post_accumulate_grad_hook`` on a group's sharded parameters (e.g. an optimizer stepping
+    in backward): called once their reduced gradients are in ``.grad``, as autograd would for a leaf; on the
+    host-step worker when every hook allows it and the shards are on the host ([Note: host steps off backward's
+    thread])."""
+    calls = [
+        (hook, param.sharded_param)
+        for param in params
+        for hook in tuple((getattr(param.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values())
+    ]
+    if not calls:
+        return
+    off_thread = all(getattr(hook, "runs_off_thread", False) for hook, _ in calls) and all(
+        param.sharded_param.device.type == "cpu" for param in params
+    )
+    if off_thread:
+        for hook, sharded_param in calls:
+            host_steps.submit(partial(hook, sharded_param), copy_event)
+        return
+    if copy_event is not None:
+        copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
+    for hook, sharded_param in calls:
+        hook(sharded_param)
