@@ -270,28 +270,34 @@ def test_step_in_backward_pins_one_gradient_buffer_on_cuda() -> None:
 
 def _one_gradient_buffer(rank: int, ws: int) -> None:
     """[Note: host gradient buffers] on CUDA: stepping in backward, every group's gradients land in one registered
-    buffer of the largest group's bytes, and the losses and parameters are those of one optimizer stepped after
-    backward (the kept-gradients schedule, one buffer per group)."""
+    buffer of the largest group's bytes, with the steps on the host-step thread ([Note: host steps off backward's
+    thread]: the pool waits for them) and in backward's thread (``overlap=False``) alike, and the losses and
+    parameters are those of one optimizer stepped after backward (the kept-gradients schedule, one buffer per
+    group)."""
     torch.cuda.set_device(0)
     mesh = fl.init_mesh(device_type="cuda")
     kept = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)
     stepped = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)  # the same weights
+    serial = shard(seeded(tiny_gpt).cuda(), fl.CPUOffloadPolicy(), mesh)
     opt = torch.optim.AdamW(kept.parameters(), lr=1e-2)
     fl.step_in_backward(stepped, lambda params: torch.optim.AdamW(params, lr=1e-2))
+    fl.step_in_backward(serial, lambda params: torch.optim.AdamW(params, lr=1e-2), overlap=False)
     for step in range(3):
         batch = tuple(t.cuda() for t in gpt_batch(step, rank))
         loss = gpt_loss(kept, batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        other = gpt_loss(stepped, batch)
-        other.backward()
-        assert torch.equal(loss, other), step
-    for a, b in zip(kept.parameters(), stepped.parameters(), strict=True):  # one rank: the local shard is whole
-        assert torch.equal(a.to_local(), b.to_local())
+        for model in (stepped, serial):
+            other = gpt_loss(model, batch)
+            other.backward()
+            assert torch.equal(loss, other), step
+    for a, b, c in zip(kept.parameters(), stepped.parameters(), serial.parameters(), strict=True):  # local: whole
+        assert torch.equal(a.to_local(), b.to_local()) and torch.equal(a.to_local(), c.to_local())
     largest = max(sum(p.padded_numel for p in group.params) * 4 for group in groups(stepped))
-    pool = groups(stepped)[0].comm.host_grads
-    assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
+    for model in (stepped, serial):
+        pool = groups(model)[0].comm.host_grads
+        assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
     memory = fl.offload.host_memory(stepped)
     assert (memory.gradients, memory.own_buffers) == (largest, 0)
     assert memory.pinned == memory.registered == memory.shards + largest

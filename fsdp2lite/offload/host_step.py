@@ -9,7 +9,8 @@ and ``optimizer.step()`` runs there. torch's Adam and AdamW pick the per-paramet
 its state; see [Note: fused CPU kernel layouts] for the one thing the kernel gets wrong and how it is kept
 away from it, and docs/offload.md for the decisions and the measured speed. ``step_in_backward(model,
 optimizer_factory)`` (opt-in) steps each group's parameters inside backward, as soon as their reduced
-gradients land, and frees those gradients at once.
+gradients land, and frees those gradients at once; groups on the host step on the runtime's host-step thread
+while backward goes on ([Note: host steps off backward's thread] in ``_runtime/host_steps.py``).
 
 [Note: fused CPU kernel layouts]
 torch's CPU ``_fused_adam_``/``_fused_adamw_`` checks no strides (torch 2.11 and 2.13; the CUDA kernel
