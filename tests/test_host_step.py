@@ -23,11 +23,12 @@ import pytest
 import torch
 import torch.nn as nn
 from _dist import spawn_checks
-from _models import UnevenMLP, mlp_batch, mlp_loss
+from _models import UnevenBlock, UnevenMLP, mlp_batch, mlp_loss
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp2lite as fl
+from fsdp2lite._runtime.host_steps import HostSteps
 from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the op counter, benchmarks' own
@@ -269,6 +270,38 @@ def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
     assert all(not torch.equal(full(p), old) for p, old in zip(model.parameters(), before, strict=True))
 
 
+class _BlockTwice(nn.Module):
+    """One block applied twice, then a head: the block's group reduces twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = UnevenBlock(16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(x)))
+
+
+def check_step_in_backward_overlap_twice_and_microbatches(rank: int, ws: int) -> None:
+    """Overlapped host steps give overlap=False's parameters bit for bit where a group reduces twice in one backward
+    (a block used twice: its second reduction waits for its first step, [Note: host steps off backward's thread])
+    and over microbatches marked not the last backward (each still returns with every group stepped)."""
+    models: dict[bool, nn.Module] = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = _BlockTwice()
+        for module in (model.block, model):
+            fl.fully_shard(module, offload_policy=OFFLOAD)
+        step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)), overlap=overlap)
+        for step in range(4):
+            model.set_is_last_backward(step % 2 == 1)  # type: ignore[operator]
+            mlp_loss(model, mlp_batch(step, rank)).backward()
+            assert all(p.grad is None for p in model.parameters()), (overlap, step)
+        models[overlap] = model
+    for param, ref in zip(models[True].parameters(), models[False].parameters(), strict=True):
+        assert torch.equal(full(param), full(ref))
+
+
 def test_fast_host_step_on_4_offloaded_ranks() -> None:
     spawn_checks(
         4,
@@ -278,6 +311,7 @@ def test_fast_host_step_on_4_offloaded_ranks() -> None:
         check_uneven_shard_1,
         check_step_in_backward,
         check_step_in_backward_overlaps,
+        check_step_in_backward_overlap_twice_and_microbatches,
     )
 
 
@@ -409,3 +443,34 @@ def test_refuses_what_is_not_an_optimizer() -> None:
         fast_host_step(model)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got list"):
         fast_host_step(list(model.parameters()))  # type: ignore[arg-type]
+
+
+def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_error() -> None:
+    """[Note: host steps off backward's thread]: one worker, steps in submission order; ``wait_for`` waits only for
+    steps submitted for the given parameters; a step that raises skips the ones queued after it and is raised by
+    the next wait, which clears it; ``wait_quietly`` turns it into a warning."""
+    steps = HostSteps()
+    gate = threading.Event()
+    log: list[str] = []
+    a, b = torch.zeros(1), torch.zeros(1)
+    steps.submit(lambda: log.append(f"a {gate.wait(60)}"), None, a)
+    steps.submit(lambda: log.append("b"), None, b)
+    steps.wait_for([torch.zeros(1)])  # neither's: returns while ``a`` waits at the gate, ``b`` queued behind it
+    assert log == [] and len(steps.pending) == 2
+    gate.set()
+    steps.wait_for([b])
+    assert log == ["a True", "b"] and steps.pending == [] and steps.wait() is False
+
+    def refuse() -> None:
+        raise ValueError("group 1 refuses")
+
+    steps.submit(refuse, None, a)
+    steps.submit(lambda: log.append("after the error"), None, b)
+    with pytest.raises(ValueError, match="group 1 refuses"):
+        steps.wait()
+    assert log == ["a True", "b"]  # skipped, as backward's thread would have stopped
+    steps.submit(lambda: log.append("c"), None, a)
+    assert steps.wait() is True and log[-1] == "c"  # the error was cleared by the wait that raised it
+    steps.submit(refuse, None, a)
+    with pytest.warns(RuntimeWarning, match="a host step in backward also raised: ValueError"):
+        steps.wait_quietly()

@@ -446,6 +446,7 @@ def accumulate_sharded_grads(
     gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
     ``zero_grad`` in between) gets the new one added.
     """
+    comm.host_steps.wait_for(p.sharded_param for p in params)  # [Note: host steps off backward's thread]
     first = params[0]
     uniform = all(p.orig_dtype == first.orig_dtype for p in params)
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype

@@ -214,6 +214,7 @@ class FSDPParamGroup:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
+        self.comm.host_steps.wait_for(p.sharded_param for p in self.params)  # a step in flight writes the shards
         for sync in self.refreshers if self.sharded_state is ShardedState.SHARDED else ():
             sync.refresh()  # what the optimizer stepped, back into the shards the all-gather reads
         if self.resident is not None and self.resident.reuse():

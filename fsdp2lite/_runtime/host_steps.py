@@ -19,6 +19,9 @@ Who waits for it, and why:
   reduction (on CUDA, what the device has in its queue; on CPU, the backward's own compute);
 - the end of backward (``RootContext.finalize_backward``) waits for all of them: ``loss.backward()`` returns
   with every group stepped, as before, so the next forward, ``state_dict`` and user code read stepped shards;
+- a group used again while its step is in flight (used twice in one backward: all-gathered again for its
+  first use's backward, and reduced twice) waits before its all-gather reads the shards the step writes and
+  before its reduction adds into the gradients the step reads and frees (``HostSteps.wait_for``);
 - an exception mid-step (``RootContext.reset``) waits too, so no step outlives the recovery.
 Only hooks that say so (``runs_off_thread``), of groups whose sharded parameters are on the host, go to the
 worker, and only when every hook of the group does: a hook of the user's might read the gradients the step
@@ -33,7 +36,7 @@ The worker runs outside backward's thread-local state: a ``TorchDispatchMode`` o
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
@@ -49,19 +52,28 @@ class HostSteps:
 
     executor: ThreadPoolExecutor | None
     pending: list[Future[None]]  # submitted, not yet waited on, oldest first
+    stepping: set[int]  # ids of the sharded parameters the pending steps were submitted for
     failed: bool  # a step raised: the ones queued after it are skipped until it is waited on
 
     def __init__(self) -> None:
         self.executor = None
         self.pending = []
+        self.stepping = set()
         self.failed = False
 
-    def submit(self, step: Callable[[], None], copy_event: torch.cuda.Event | None) -> None:
-        """Run ``step`` on the worker after the steps already submitted, once ``copy_event`` (the gradients'
-        copy to the host) has completed."""
+    def submit(self, step: Callable[[], None], copy_event: torch.cuda.Event | None, param: torch.Tensor) -> None:
+        """Run ``step`` (a hook on sharded ``param``) on the worker after the steps already submitted, once
+        ``copy_event`` (the gradients' copy to the host) has completed."""
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2lite-host-step")
         self.pending.append(self.executor.submit(self._run, step, copy_event))
+        self.stepping.add(id(param))
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Wait for the steps in flight if one was submitted for one of ``params``, whose shards or gradients the
+        caller is about to read or write."""
+        if self.stepping and any(id(param) in self.stepping for param in params):
+            self.wait()
 
     def _run(self, step: Callable[[], None], copy_event: torch.cuda.Event | None) -> None:
         if self.failed:
@@ -77,6 +89,7 @@ class HostSteps:
     def wait(self) -> bool:
         """Wait for every submitted step; raise the first error one raised. True when any was in flight."""
         pending, self.pending = self.pending, []
+        self.stepping.clear()
         errors = [error for future in pending if (error := future.exception()) is not None]
         self.failed = False
         if errors:
@@ -111,7 +124,7 @@ def run_post_accumulate_grad_hooks(
     )
     if off_thread:
         for hook, sharded_param in calls:
-            host_steps.submit(partial(hook, sharded_param), copy_event)
+            host_steps.submit(partial(hook, sharded_param), copy_event, sharded_param)
         return
     if copy_event is not None:
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done

@@ -228,13 +228,13 @@ class RootContext:
                 group.offload_event.synchronize()
                 group.offload_event = None
         self._end_backward_pass()
-        if self.comm is not None:
-            self.comm.host_steps.wait()  # return with every group stepped: [Note: host steps off backward's thread]
 
     def _end_backward_pass(self) -> None:
         for state in self.states:
             state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
+        if self.comm is not None:
+            self.comm.host_steps.wait()  # return with every group stepped: [Note: host steps off backward's thread]
 
     def reset(self) -> None:
         """Recover from an exception mid-step (see ``FSDPParamGroup.reset``)."""
