@@ -6,11 +6,14 @@
     print(summarize(trace.as_dicts()))             # or: fsdp2lite trace summarize step.json
 
 Exposed communication is time the compute side spent waiting on a collective (all-gather waits,
-reduce-scatter waits including the HSDP all-reduce): what prefetching and overlap failed to hide.
+reduce-scatter waits including the HSDP all-reduce): what prefetching and overlap failed to hide. Host steps
+inside backward (``step_in_backward``) are counted apart: their time, and the part of it backward's thread
+spent (stepping in it, or waiting for the host-step thread), which is taken out of any wait it happened in.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -22,9 +25,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._runtime.trace import SPAN_EVENTS, TraceEvent, TraceRecorder
+from ._runtime.trace import HOST_LANE, SPAN_EVENTS, TraceEvent, TraceRecorder
 
 __all__ = [
+    "HOST_LANE",
     "GroupSummary",
     "TraceEvent",
     "TraceRecorder",
@@ -77,6 +81,8 @@ class GroupSummary:
     reduce_scatter_wait_ms: float
     all_gathers: int
     reduce_scatters: int
+    host_step_ms: float = 0.0  # its steps inside backward (step_in_backward), on whichever thread
+    host_step_exposed_ms: float = 0.0  # of which backward's thread spent: stepping itself, or waiting for them
 
     @property
     def exposed_ms(self) -> float:
@@ -107,19 +113,23 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
     events = []
     for entry in data["traceEvents"]:
         if isinstance(entry, dict) and entry.get("cat") == "fsdp2lite":
-            events.append(
-                {"name": entry["name"], "group": entry["args"]["group"], "duration_s": entry.get("dur", 0) / 1e6}
-            )
+            events.append({
+                "name": entry["name"], "group": entry["args"]["group"], "duration_s": entry.get("dur", 0) / 1e6,
+                "start_s": entry.get("ts", 0) / 1e6, "lane": HOST_LANE if entry.get("tid") == HOST_LANE else "",
+            })  # fmt: skip
     return events
 
 
 def summarize(events: list[dict[str, Any]]) -> list[GroupSummary]:
-    """Exposed communication per group, largest first."""
+    """Exposed communication per group, largest first; host steps inside backward apart (module docstring)."""
     waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for event in events:
+    nested = _host_time_inside(events)
+    for index, event in enumerate(events):
         if event["name"] in SPAN_EVENTS:
-            waits[event["group"]][event["name"]] += event["duration_s"] * 1e3
+            waits[event["group"]][event["name"]] += (event["duration_s"] - nested.get(index, 0.0)) * 1e3
+        if event["name"] == "host_step" and event.get("lane") == HOST_LANE:
+            waits[event["group"]]["host_step_off_thread"] += event["duration_s"] * 1e3
         counts[event["group"]][event["name"]] += 1
     rows = [
         GroupSummary(
@@ -128,10 +138,37 @@ def summarize(events: list[dict[str, Any]]) -> list[GroupSummary]:
             waits[group]["reduce_scatter_wait"],
             counts[group]["all_gather_issue"],
             counts[group]["reduce_scatter_issue"],
+            waits[group]["host_step"],
+            waits[group]["host_step"] - waits[group]["host_step_off_thread"] + waits[group]["host_step_wait"],
         )
         for group in counts
     ]
     return sorted(rows, key=lambda row: -row.exposed_ms)
+
+
+def _host_time_inside(events: list[dict[str, Any]]) -> dict[int, float]:
+    """Seconds of host steps and waits for them that backward's thread spent inside each of its other spans, by
+    event index: a step in backward's thread runs inside its group's reduce-scatter wait, and a wait for the
+    host-step thread may too; that time is the host's, not communication's."""
+    host = sorted(
+        (e["start_s"], e["start_s"] + e["duration_s"])
+        for e in events
+        if e["name"] in ("host_step", "host_step_wait") and e.get("lane") != HOST_LANE and "start_s" in e
+    )
+    starts = [start for start, _ in host]
+    inside: dict[int, float] = {}
+    for index, event in enumerate(events):
+        if event["name"] not in ("all_gather_wait", "reduce_scatter_wait") or not host or "start_s" not in event:
+            continue
+        begin, end = event["start_s"], event["start_s"] + event["duration_s"]
+        seconds = 0.0
+        for start, stop in host[bisect.bisect_left(starts, begin) :]:
+            if start >= end:
+                break
+            seconds += stop - start if stop <= end else 0.0
+        if seconds:
+            inside[index] = seconds
+    return inside
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp2lite as fl
 from fsdp2lite._runtime.host_steps import HostSteps
 from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
+from fsdp2lite.trace import HOST_LANE, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the op counter, benchmarks' own
 from _meters import OpCounter  # noqa: E402
@@ -223,6 +224,27 @@ def _note_signal(released: threading.Event, seen: list[bool], wait: bool, *_: An
     seen.append(released.wait(60) if wait else released.is_set())
 
 
+def check_host_step_trace(events: list[dict[str, Any]], overlap: bool) -> None:
+    """One backward's trace under step_in_backward: one ``host_step`` span per group, in the order the groups
+    were reduced, in the host-step lane when overlapped; ``summarize`` counts each group's step, and without
+    overlap all of it as spent by backward's thread and none of it as communication (the step runs inside the
+    group's reduce-scatter wait span, which keeps only the rest)."""
+    steps = [e for e in events if e["name"] == "host_step"]
+    assert [e["group"] for e in steps] == ["blocks.1", "blocks.0", "<root>"]
+    assert {e["lane"] for e in steps} == {HOST_LANE if overlap else ""}
+    rows = {row.group: row for row in summarize(events)}
+    for step in steps:
+        row = rows[step["group"]]
+        assert row.host_step_ms == pytest.approx(step["duration_s"] * 1e3, abs=1e-9) and row.host_step_ms > 0
+        waited = sum(e["duration_s"] for e in events if e["name"] == "reduce_scatter_wait" and e["group"] == row.group)
+        if overlap:
+            assert row.reduce_scatter_wait_ms == pytest.approx(waited * 1e3, abs=1e-9)
+            assert 0 <= row.host_step_exposed_ms  # the waits for the host-step thread attributed to this group
+        else:
+            assert row.host_step_exposed_ms == row.host_step_ms
+            assert row.reduce_scatter_wait_ms == pytest.approx((waited - step["duration_s"]) * 1e3, abs=1e-9)
+
+
 def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
     """Host groups step on a thread of their own while backward goes on ([Note: host steps off backward's thread]):
     the last block's step waits for a signal that only comes once backward has moved on to the first block (the
@@ -242,9 +264,11 @@ def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
         last_block.register_step_pre_hook(partial(_note_signal, released, signalled, overlap))
         for step in range(2):
             released.clear()
-            mlp_loss(model, mlp_batch(step, rank)).backward()
+            with fl.record_trace(model) as trace:
+                mlp_loss(model, mlp_batch(step, rank)).backward()
             assert all(p.grad is None for p in model.parameters()), (overlap, step)  # stepped when backward returns
         assert signalled == [overlap, overlap], (overlap, signalled)
+        check_host_step_trace(trace.as_dicts(), overlap)
         stepped[overlap] = model
     for param, ref in zip(stepped[True].parameters(), stepped[False].parameters(), strict=True):
         assert torch.equal(full(param), full(ref))
@@ -453,8 +477,8 @@ def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_e
     gate = threading.Event()
     log: list[str] = []
     a, b = torch.zeros(1), torch.zeros(1)
-    steps.submit(lambda: log.append(f"a {gate.wait(60)}"), None, a)
-    steps.submit(lambda: log.append("b"), None, b)
+    steps.submit(lambda: log.append(f"a {gate.wait(60)}"), None, [a], "a")
+    steps.submit(lambda: log.append("b"), None, [b], "b")
     steps.wait_for([torch.zeros(1)])  # neither's: returns while ``a`` waits at the gate, ``b`` queued behind it
     assert log == [] and len(steps.pending) == 2
     gate.set()
@@ -464,13 +488,13 @@ def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_e
     def refuse() -> None:
         raise ValueError("group 1 refuses")
 
-    steps.submit(refuse, None, a)
-    steps.submit(lambda: log.append("after the error"), None, b)
+    steps.submit(refuse, None, [a], "a")
+    steps.submit(lambda: log.append("after the error"), None, [b], "b")
     with pytest.raises(ValueError, match="group 1 refuses"):
         steps.wait()
     assert log == ["a True", "b"]  # skipped, as backward's thread would have stopped
-    steps.submit(lambda: log.append("c"), None, a)
+    steps.submit(lambda: log.append("c"), None, [a], "a")
     assert steps.wait() is True and log[-1] == "c"  # the error was cleared by the wait that raised it
-    steps.submit(refuse, None, a)
+    steps.submit(refuse, None, [a], "a")
     with pytest.warns(RuntimeWarning, match="a host step in backward also raised: ValueError"):
         steps.wait_quietly()

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -285,3 +286,34 @@ def test_trace_summarize_bad_file(tmp_path: Path, capsys: Any) -> None:
     bad.write_text('{"events": []}')
     assert cli_main(["trace", "summarize", str(bad)]) == 1
     assert "not a Chrome trace" in capsys.readouterr().err
+
+
+def test_trace_summarize_counts_host_steps_apart(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    """``step_in_backward``'s host steps in a trace: a step in backward's thread, nested in its group's
+    reduce-scatter wait, is the host's time, not communication's; a step on the host-step thread is exposed only
+    where backward's thread waited for it (``host_step_wait``), itself taken out of the wait it happened in. The
+    same numbers from the recorder's events and from the saved Chrome trace; the CLI prints the two columns."""
+    from fsdp2lite.trace import HOST_LANE, TraceEvent, TraceRecorder, load_events, summarize
+
+    recorder = TraceRecorder()
+    recorder.events = [
+        TraceEvent("reduce_scatter_wait", "b", "POST_BACKWARD", 1.0, 0.5),
+        TraceEvent("host_step", "b", "POST_BACKWARD", 1.125, 0.25),  # stepped in backward's thread, inside the wait
+        TraceEvent("reduce_scatter_issue", "b", "POST_BACKWARD", 0.9, 0.0),
+        TraceEvent("host_step", "a", "POST_BACKWARD", 2.0, 0.375, HOST_LANE),  # on the host-step thread
+        TraceEvent("reduce_scatter_wait", "c", "POST_BACKWARD", 2.25, 0.25),
+        TraceEvent("host_step_wait", "a", "POST_BACKWARD", 2.3125, 0.0625),  # c's reduction waited for a's step
+    ]
+    path = recorder.save_chrome_trace(tmp_path / "host.json")
+    for events in (recorder.as_dicts(), load_events(path)):
+        rows = {row.group: row for row in summarize(events)}
+        assert rows["b"].reduce_scatter_wait_ms == pytest.approx(250.0)
+        assert (rows["b"].host_step_ms, rows["b"].host_step_exposed_ms) == (pytest.approx(250.0), pytest.approx(250.0))
+        assert (rows["a"].host_step_ms, rows["a"].host_step_exposed_ms) == (pytest.approx(375.0), pytest.approx(62.5))
+        assert rows["c"].reduce_scatter_wait_ms == pytest.approx(187.5) and rows["c"].host_step_ms == 0
+    assert [e["lane"] for e in load_events(path)] == ["", "", "", HOST_LANE, "", ""]
+    monkeypatch.setenv("COLUMNS", "200")  # the table unwrapped
+    assert cli_main(["trace", "summarize", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host step exposed ms" in out and "│ a │ 0.000 │ 0.000 │ 0.000 │ 0 │ 0 │ 375.000 │ 62.500 │" in out  # a's row ends with its two host columns
+    assert "host steps inside backward: 625.000 ms, of which backward's thread spent 312.500 ms" in out

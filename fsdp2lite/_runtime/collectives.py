@@ -365,11 +365,12 @@ def finish_reduce_scatter(
     hook: Callable[[torch.Tensor], None] | None = None,
     hook_stream: torch.cuda.Stream | None = None,
     replicas: Any = None,
+    group: str = "<root>",
 ) -> torch.cuda.Event | None:
     """Wait for the reduce-scatter; for HSDP, all-reduce (sum) across replicas (HFSDP, ``replicas``: a
     reduce-scatter across them, [Note: replica-sharded groups]); average; accumulate into
-    each sharded ``.grad``. Returns an event after the device-to-host gradient copy of CPU offload
-    (None when there is none), for the end of backward to wait on.
+    each sharded ``.grad`` (``group``: the group's name in traces). Returns an event after the device-to-host
+    gradient copy of CPU offload (None when there is none), for the end of backward to wait on.
 
     HSDP with ``all_reduce=False`` keeps the replica-local sums on the parameters instead
     (``partial_reduced_grad``); the next all-reduce adds them in, so nothing is lost.
@@ -403,7 +404,7 @@ def finish_reduce_scatter(
         output.div_(divide_factor)
     if hook is not None:  # sees the gradient as it will be stored (averaged), as torch's hook does
         _run_all_reduce_hook(hook, hook_stream, output)
-    return accumulate_sharded_grads(output, result.params, comm)
+    return accumulate_sharded_grads(output, result.params, comm, group)
 
 
 def _all_reduce_replicas(
@@ -436,9 +437,10 @@ def _run_all_reduce_hook(
 
 
 def accumulate_sharded_grads(
-    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm
+    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, group: str = "<root>"
 ) -> torch.cuda.Event | None:
-    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad``.
+    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
+    ``group``: its name in traces), then run their post-accumulate-grad hooks.
 
     Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
     (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
@@ -476,7 +478,7 @@ def accumulate_sharded_grads(
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
-    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps)  # [Note: host steps off backward's thread]
+    run_post_accumulate_grad_hooks(params, offload_event, comm, group)  # [Note: host steps off backward's thread]
     return offload_event
 
 

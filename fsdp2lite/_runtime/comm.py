@@ -61,7 +61,7 @@ class Comm:
         self.recorder = None
         self.wait_instead = None
         self.wire = None
-        self.host_steps = HostSteps()
+        self.host_steps = HostSteps(lambda: self.recorder)
         self.host_grads = HostGradPool(self.host_steps.wait)  # the steps free buffers: waited before making one
 
     def count(self, kind: str, sent: int) -> None:

@@ -437,7 +437,7 @@ class FSDPParamGroup:
         with self.trace_span("reduce_scatter_wait"):
             event = finish_reduce_scatter(
                 result, factor, info.replicate_group, self.requires_all_reduce, self.comm,
-                self.all_reduce_hook, self.all_reduce_hook_stream, self.replicas,
+                self.all_reduce_hook, self.all_reduce_hook_stream, self.replicas, self.name or "<root>",
             )  # fmt: skip
         if event is not None:
             self.offload_event = event

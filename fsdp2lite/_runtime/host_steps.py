@@ -38,36 +38,45 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
+from .trace import HOST_LANE, TraceRecorder
+
 if TYPE_CHECKING:
+    from .comm import Comm
     from .param import FSDPParam
 
 
 class HostSteps:
     """One worker thread (started on first use) running host steps in submission order, and the steps in flight."""
 
+    recorder: Callable[[], TraceRecorder | None]  # the root's trace recorder, when tracing ([Note: host steps ...])
     executor: ThreadPoolExecutor | None
-    pending: list[Future[None]]  # submitted, not yet waited on, oldest first
+    pending: list[tuple[Future[None], str]]  # submitted, not yet waited on, oldest first, with their group's name
     stepping: set[int]  # ids of the sharded parameters the pending steps were submitted for
     failed: bool  # a step raised: the ones queued after it are skipped until it is waited on
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Callable[[], TraceRecorder | None] = lambda: None) -> None:
+        self.recorder = recorder
         self.executor = None
         self.pending = []
         self.stepping = set()
         self.failed = False
 
-    def submit(self, step: Callable[[], None], copy_event: torch.cuda.Event | None, param: torch.Tensor) -> None:
-        """Run ``step`` (a hook on sharded ``param``) on the worker after the steps already submitted, once
-        ``copy_event`` (the gradients' copy to the host) has completed."""
+    def submit(
+        self, step: Callable[[], None], copy_event: torch.cuda.Event | None, params: list[torch.Tensor], group: str
+    ) -> None:
+        """Run ``step`` (group ``group``'s hooks on its sharded ``params``) on the worker after the steps already
+        submitted, once ``copy_event`` (the gradients' copy to the host) has completed."""
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2lite-host-step")
-        self.pending.append(self.executor.submit(self._run, step, copy_event))
-        self.stepping.add(id(param))
+        future = self.executor.submit(self._run, step, copy_event, self.recorder(), group)
+        self.pending.append((future, group))
+        self.stepping.update(id(param) for param in params)
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
         """Wait for the steps in flight if one was submitted for one of ``params``, whose shards or gradients the
@@ -75,13 +84,16 @@ class HostSteps:
         if self.stepping and any(id(param) in self.stepping for param in params):
             self.wait()
 
-    def _run(self, step: Callable[[], None], copy_event: torch.cuda.Event | None) -> None:
+    def _run(
+        self, step: Callable[[], None], copy_event: torch.cuda.Event | None, recorder: TraceRecorder | None, group: str
+    ) -> None:
         if self.failed:
             return  # an earlier step raised: backward's thread will raise it, as if it had stopped there
         try:
             if copy_event is not None:
                 copy_event.synchronize()  # the step reads the host gradients: their copy must have landed
-            step()
+            with _span(recorder, "host_step", group, HOST_LANE):
+                step()
         except BaseException:
             self.failed = True
             raise
@@ -90,11 +102,14 @@ class HostSteps:
         """Wait for every submitted step; raise the first error one raised. True when any was in flight."""
         pending, self.pending = self.pending, []
         self.stepping.clear()
-        errors = [error for future in pending if (error := future.exception()) is not None]
+        if not pending:
+            return False
+        with _span(self.recorder(), "host_step_wait", pending[-1][1]):
+            errors = [error for future, _ in pending if (error := future.exception()) is not None]
         self.failed = False
         if errors:
             raise errors[0]
-        return bool(pending)
+        return True
 
     def wait_quietly(self) -> None:
         """Wait for every submitted step, after an exception elsewhere: a step's own error becomes a warning,
@@ -105,28 +120,38 @@ class HostSteps:
             warnings.warn(f"fsdp2lite: a host step in backward also raised: {error!r}", RuntimeWarning, stacklevel=2)
 
 
+def _span(recorder: TraceRecorder | None, name: str, group: str, lane: str = "") -> AbstractContextManager[None]:
+    """A trace span of a host step or of a wait for one (the step belongs to the group's post-backward)."""
+    return nullcontext() if recorder is None else recorder.span(name, group, "POST_BACKWARD", lane)
+
+
 def run_post_accumulate_grad_hooks(
-    params: tuple[FSDPParam, ...], copy_event: torch.cuda.Event | None, host_steps: HostSteps
+    params: tuple[FSDPParam, ...], copy_event: torch.cuda.Event | None, comm: Comm, group: str
 ) -> None:
-    """``param.register_post_accumulate_grad_hook`` on a group's sharded parameters (e.g. an optimizer stepping
-    in backward): called once their reduced gradients are in ``.grad``, as autograd would for a leaf; on the
-    host-step worker when every hook allows it and the shards are on the host ([Note: host steps off backward's
-    thread])."""
+    """``param.register_post_accumulate_grad_hook`` on group ``group``'s sharded parameters (e.g. an optimizer
+    stepping in backward): called once their reduced gradients are in ``.grad``, as autograd would for a leaf; on
+    the host-step worker when every hook allows it and the shards are on the host ([Note: host steps off
+    backward's thread])."""
     calls = [
-        (hook, param.sharded_param)
+        partial(hook, param.sharded_param)
         for param in params
         for hook in tuple((getattr(param.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values())
     ]
     if not calls:
         return
-    off_thread = all(getattr(hook, "runs_off_thread", False) for hook, _ in calls) and all(
+    off_thread = all(getattr(call.func, "runs_off_thread", False) for call in calls) and all(
         param.sharded_param.device.type == "cpu" for param in params
     )
+    run_all = partial(_run_all, calls)
     if off_thread:
-        for hook, sharded_param in calls:
-            host_steps.submit(partial(hook, sharded_param), copy_event, sharded_param)
+        comm.host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group)
         return
     if copy_event is not None:
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
-    for hook, sharded_param in calls:
-        hook(sharded_param)
+    with _span(comm.recorder, "host_step", group):
+        run_all()
+
+
+def _run_all(calls: list[partial[None]]) -> None:
+    for call in calls:
+        call()

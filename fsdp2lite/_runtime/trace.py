@@ -8,6 +8,11 @@ Events, per group (``name`` of the event):
     reshard               instant   unsharded parameters freed
     reduce_scatter_issue  instant   gradients handed to the reduce-scatter
     reduce_scatter_wait   span      waited for the reduce-scatter (and, HSDP, its all-reduce)
+    host_step             span      the group's step inside backward (``step_in_backward``): on the host-step
+                                    thread, drawn in a lane of its own ("host steps"), or in backward's thread
+    host_step_wait        span      backward's thread waited for host steps in flight (the group is the last one
+                                    waited for): the host step's exposed part ([Note: host steps off backward's
+                                    thread] in host_steps.py)
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SPAN_EVENTS = ("all_gather_wait", "reduce_scatter_wait")
+SPAN_EVENTS = ("all_gather_wait", "reduce_scatter_wait", "host_step", "host_step_wait")
+HOST_LANE = "host steps"  # the Chrome trace lane of the host-step thread's events
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class TraceEvent:
     state: str  # the group's TrainingState when it happened
     start_s: float  # seconds since the recorder started
     duration_s: float  # 0 for instants
+    lane: str = ""  # the Chrome trace lane ("tid") when not the group's: HOST_LANE for the host-step thread
 
 
 class TraceRecorder:
@@ -49,13 +56,13 @@ class TraceRecorder:
         self.events.append(TraceEvent(name, group, state, time.perf_counter() - self._t0, 0.0))
 
     @contextmanager
-    def span(self, name: str, group: str, state: str) -> Iterator[None]:
+    def span(self, name: str, group: str, state: str, lane: str = "") -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
-            self.events.append(TraceEvent(name, group, state, start - self._t0, end - start))
+            self.events.append(TraceEvent(name, group, state, start - self._t0, end - start, lane))
 
     def names(self, group: str | None = None) -> list[str]:
         """Event names in order, optionally of one group: handy for asserting a schedule."""
@@ -70,7 +77,7 @@ class TraceRecorder:
                 "cat": "fsdp2lite",
                 "ts": event.start_s * 1e6,
                 "pid": self.rank,
-                "tid": event.group,
+                "tid": event.lane or event.group,
                 "args": {"group": event.group, "state": event.state},
             }
             if event.name in SPAN_EVENTS:

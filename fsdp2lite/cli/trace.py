@@ -12,7 +12,8 @@ from ..trace import load_events, load_schedule, summarize
 
 DESCRIPTION = (
     "Summarize a trace saved with fsdp2lite.record_trace(...).save_chrome_trace(PATH): per group, the time the "
-    "compute side waited on all-gathers and reduce-scatters (exposed communication) and how many were issued."
+    "compute side waited on all-gathers and reduce-scatters (exposed communication) and how many were issued; with "
+    "fsdp2lite.step_in_backward, its host steps and the part of them backward's thread spent."
 )
 
 
@@ -30,25 +31,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp2lite trace: error: {exc}", file=sys.stderr)
         return 1
     rows = summarize(events)
+    host = any(row.host_step_ms for row in rows)  # step_in_backward's steps: two more columns
     table = Table(title=f"exposed communication: {args.file}")
-    for column in (
-        "group",
-        "all-gather wait ms",
-        "reduce-scatter wait ms",
-        "exposed ms",
-        "all-gathers",
-        "reduce-scatters",
-    ):
+    columns = ["group", "all-gather wait ms", "reduce-scatter wait ms", "exposed ms", "all-gathers", "reduce-scatters"]
+    for column in columns + (["host step ms", "host step exposed ms"] if host else []):
         table.add_column(column, justify="left" if column == "group" else "right")
     for row in rows:
-        table.add_row(
-            row.group,
-            f"{row.all_gather_wait_ms:.3f}",
-            f"{row.reduce_scatter_wait_ms:.3f}",
-            f"{row.exposed_ms:.3f}",
-            str(row.all_gathers),
-            str(row.reduce_scatters),
-        )
+        cells = [f"{row.all_gather_wait_ms:.3f}", f"{row.reduce_scatter_wait_ms:.3f}", f"{row.exposed_ms:.3f}"]
+        cells += [str(row.all_gathers), str(row.reduce_scatters)]
+        cells += [f"{row.host_step_ms:.3f}", f"{row.host_step_exposed_ms:.3f}"] if host else []
+        table.add_row(row.group, *cells)
     console = Console()
     if schedule:
         settings = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in schedule.items())
@@ -56,4 +48,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     total = sum(row.exposed_ms for row in rows)
     console.print(f"{len(events)} events, {len(rows)} groups, {total:.3f} ms exposed communication in total")
+    if host:
+        steps, exposed = sum(row.host_step_ms for row in rows), sum(row.host_step_exposed_ms for row in rows)
+        console.print(f"host steps inside backward: {steps:.3f} ms, of which backward's thread spent {exposed:.3f} ms")
     return 0
