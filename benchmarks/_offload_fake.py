@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _offload_runs import SETUPS, Placement, build, extra_step, group_flags, make_batch, time_interleaved
+from _offload_runs import (
+    SETUPS,
+    Placement,
+    build,
+    extra_step,
+    group_flags,
+    make_batch,
+    rank0_metered,
+    time_interleaved,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2lite.models import GPT, GPTConfig
@@ -52,7 +61,7 @@ def measure_fake(
             _synchronize(device)
 
         times = time_interleaved(runs, batch, warmup, steps, before=sync, finish=sync)
-        ops, grad_bytes = zip(*(extra_step(run, batch) for run in runs), strict=True)
+        metered = [extra_step(run, batch) for run in runs]
         flags = {s.name: group_flags(run.optimizers) for s, run in zip(SETUPS, runs, strict=True)}
     finally:
         if flushed:
@@ -63,8 +72,8 @@ def measure_fake(
         "step_s": {s.name: times[i, :, 0].tolist() for i, s in enumerate(SETUPS)},
         "host_step_s": {s.name: times[i, :, 1].tolist() for i, s in enumerate(SETUPS)},
         "losses": None,  # fake collectives: the values are garbage
-        "rank0_step_ops": {s.name: ops[i] for i, s in enumerate(SETUPS)},
-        "grad_bytes_after_backward": {s.name: float(grad_bytes[i]) for i, s in enumerate(SETUPS)},
+        **rank0_metered(metered),
+        "grad_bytes_after_backward": {s.name: float(m.grad_bytes) for s, m in zip(SETUPS, metered, strict=True)},
         "param_groups": flags,
         "denormals_flushed": flushed,
         "host_threads": torch.get_num_threads(),

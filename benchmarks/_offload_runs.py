@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2lite as fl
 from fsdp2lite.models import GPT, GPTConfig
 from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
+from fsdp2lite.trace import summarize
 
 LR = 1e-4
 RIVAL = "torch"
@@ -154,19 +156,44 @@ def time_interleaved(
     return times
 
 
-def extra_step(run: Run, batch: Batch) -> tuple[dict[str, int] | None, int]:
-    """One more step, metered: (aten ops its ``optimizer.step()`` dispatches, by name, a DTensor op counted once;
-    None when backward steps, its ops being among backward's) and the bytes of gradients alive after backward
-    (local shards: what the host holds between backward and the step)."""
-    loss = run.model.loss(*batch)
-    loss.backward()
+class Metered(NamedTuple):
+    """One metered step's numbers (``extra_step``)."""
+
+    ops: dict[str, int] | None  # aten ops ``optimizer.step()`` dispatched, by name; None when backward steps
+    grad_bytes: int  # local bytes of the gradients alive after backward
+    host_step_s: float | None  # step_in_backward: its host steps' seconds (the trace's host_step spans)
+    host_exposed_s: float | None  # of which backward's thread spent: stepping, or waiting for the host-step thread
+
+
+def extra_step(run: Run, batch: Batch) -> Metered:
+    """One more step, metered: the aten ops its ``optimizer.step()`` dispatches, by name, a DTensor op counted
+    once (None when backward steps, its ops being among backward's); the bytes of gradients alive after backward
+    (local shards: what the host holds between backward and the step); for step_in_backward, its host steps and
+    the part of them backward's thread spent, read from a trace of the step (``fl.record_trace``)."""
+    trace = fl.record_trace(run.model) if not run.step_after_backward else nullcontext(None)
+    with trace as recorder:
+        loss = run.model.loss(*batch)
+        loss.backward()
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     grad_bytes = sum(g.to_local().nbytes if isinstance(g, DTensor) else g.nbytes for g in grads)
     ops = dict(count_ops(run.optimizers[0].step)) if run.step_after_backward else None
     for optimizer in run.optimizers:
         optimizer.zero_grad()
     run.losses.append(loss.item())
-    return ops, grad_bytes
+    if recorder is None:
+        return Metered(ops, grad_bytes, None, None)
+    rows = summarize(recorder.as_dicts())
+    host, exposed = sum(row.host_step_ms for row in rows), sum(row.host_step_exposed_ms for row in rows)
+    return Metered(ops, grad_bytes, host / 1e3, exposed / 1e3)
+
+
+def rank0_metered(metered: list[Metered]) -> dict[str, dict[str, Any]]:
+    """This rank's op counts and traced host steps per setup, keyed as the results are."""
+    pairs = list(zip(SETUPS, metered, strict=True))
+    return {
+        "rank0_step_ops": {setup.name: m.ops for setup, m in pairs},
+        "rank0_traced_host_s": {setup.name: [m.host_step_s, m.host_exposed_s] for setup, m in pairs},
+    }
 
 
 def group_flags(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:

@@ -23,7 +23,9 @@ the whole step (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) 
 (``optimizer.step()`` alone). Reported: medians, and medians of per-step ratios against torch (adjacent steps cancel
 the machine's drift); the aten ops one ``optimizer.step()`` dispatches on rank 0 (counted, not timed: the for-loop's
 per-parameter ops against the fused kernel's one); the bytes of gradient shards alive after backward (the largest
-rank's: step_in_backward has stepped and freed them all); every step's loss (mean over ranks) and its largest difference
+rank's: step_in_backward has stepped and freed them all); for step_in_backward, its host steps in that metered step and
+the part of them backward's thread spent (stepping, or waiting for the host-step thread), from a trace of it (rank 0's,
+``fl.record_trace``); every step's loss (mean over ranks) and its largest difference
 from torch's (the fused and the for-loop step round differently: below 1e-6 on a loss near 9 at the start).
 
 Fake-world half (``--device cuda``, or ``--fake-world`` on CPU: the same code without a GPU): one process, rank 0
@@ -70,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _offload_fake import measure_fake  # benchmarks/ is sys.path[0] when run as a script
-from _offload_runs import LR, MAIN, RIVAL, SETUPS, Setup, build, extra_step, group_flags
+from _offload_runs import LR, MAIN, RIVAL, SETUPS, Setup, build, extra_step, group_flags, rank0_metered
 from _offload_runs import Run as Run  # bench_offload_memory.py imports these three from here
 from _offload_runs import make_batch as make_batch
 from _offload_runs import time_interleaved as time_interleaved
@@ -100,8 +102,8 @@ def measure_rank(
     batch = make_batch(config, batch_size, rank)
     runs = [build(setup, config, mesh) for setup in SETUPS]
     times = time_interleaved(runs, batch, warmup, steps)
-    ops, grad_bytes = zip(*(extra_step(run, batch) for run in runs), strict=True)
-    largest_grads = torch.tensor(grad_bytes, dtype=torch.float64)
+    metered = [extra_step(run, batch) for run in runs]
+    largest_grads = torch.tensor([m.grad_bytes for m in metered], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     dist.all_reduce(largest_grads, op=dist.ReduceOp.MAX)  # the largest rank's
     losses = torch.tensor([run.losses for run in runs], dtype=torch.float64)  # (run, step)
@@ -111,7 +113,7 @@ def measure_rank(
         "step_s": {s.name: times[i, :, 0].tolist() for i, s in enumerate(SETUPS)},
         "host_step_s": {s.name: times[i, :, 1].tolist() for i, s in enumerate(SETUPS)},
         "losses": {s.name: (losses[i] / world_size).tolist() for i, s in enumerate(SETUPS)},
-        "rank0_step_ops": {s.name: ops[i] for i, s in enumerate(SETUPS)},
+        **rank0_metered(metered),
         "grad_bytes_after_backward": {s.name: largest_grads[i].item() for i, s in enumerate(SETUPS)},
         "param_groups": {s.name: group_flags(run.optimizers) for s, run in zip(SETUPS, runs)},
     }
@@ -156,8 +158,18 @@ def summarize_row(setup: Setup, result: dict[str, Any]) -> dict[str, Any]:
         "rank0_ops_per_host_step": sum(ops.values()) if ops else None,
         "rank0_fused_adamw_calls": ops.get("aten::_fused_adamw_", 0) if ops else None,
         "grads_mib_after_backward": result["grad_bytes_after_backward"][setup.name] / MIB,
+        **_traced(result["rank0_traced_host_s"][setup.name]),
         "losses": losses, "max_loss_diff_vs_torch": _max_diff(losses, rival),
     }  # fmt: skip
+
+
+def _traced(seconds: list[float | None]) -> dict[str, float | None]:
+    """step_in_backward's metered step, from its trace (rank 0): host steps, and the part backward's thread spent."""
+    host, exposed = seconds
+    return {
+        "traced_host_step_ms": None if host is None else 1e3 * host,
+        "traced_host_exposed_ms": None if exposed is None else 1e3 * exposed,
+    }
 
 
 def _max_diff(losses: list[float] | None, rival: list[float] | None) -> float | None:
@@ -237,9 +249,19 @@ def notes(summary: dict[str, Any]) -> list[str]:
         "rank 0 (a DTensor op counts once); grads MiB: gradient shards alive after backward, the largest rank's; "
         "max dloss: largest |loss - torch's loss| over the steps; step_in_backward steps inside backward, so its "
         "host step is part of its step time",
+        *_traced_notes(summary),
         f"param groups (params, fused, foreach): {groups}",
         f"load average at start {summary['load_average_at_start']:.2f}",
     ] + (fake_notes(summary) if summary["backend"] == "fake" else [])
+
+
+def _traced_notes(summary: dict[str, Any]) -> list[str]:
+    traced = [
+        f"{name}: {row['traced_host_step_ms']:.2f} ms, backward's thread spent {row['traced_host_exposed_ms']:.2f}"
+        for name, row in summary["runs"].items()
+        if row["traced_host_step_ms"] is not None
+    ]
+    return ["host steps inside backward (one metered step, traced, rank 0): " + "; ".join(traced)] if traced else []
 
 
 def fake_notes(summary: dict[str, Any]) -> list[str]:

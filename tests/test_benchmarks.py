@@ -200,6 +200,15 @@ def test_bench_zero_runs_every_strategy_on_4_ranks(tmp_path: Path, capsys: pytes
 # ---- bench_offload.py ---------------------------------------------------------------------------
 
 
+def assert_traced_host_steps(row: dict[str, object]) -> None:
+    """step_in_backward's metered step, traced: host steps took time; stepped in backward's thread, all of it is
+    backward's (overlapped: what backward's thread waited for them, which may include a copy's wait)."""
+    host, exposed = row["traced_host_step_ms"], row["traced_host_exposed_ms"]
+    assert isinstance(host, float) and isinstance(exposed, float) and host > 0 and exposed >= 0, row["step"]
+    if row["step"] == "in_backward_serial":
+        assert exposed == pytest.approx(host, abs=1e-9)
+
+
 def test_bench_offload_runs_both_libraries_with_offload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A tiny run end to end (one spawn of 2 gloo ranks): every run timed; fast_host_step's runs call the fused
     kernel once per step and dispatch fewer ops than the for-loop; step_in_backward leaves no gradient after
@@ -222,7 +231,9 @@ def test_bench_offload_runs_both_libraries_with_offload(tmp_path: Path, capsys: 
         if row["step"].startswith("in_backward"):
             assert row["host_step_ms"] is None and row["rank0_ops_per_host_step"] is None, name
             assert row["grads_mib_after_backward"] == 0 and len(row["param_groups"]) == 2, name  # root, one block
+            assert_traced_host_steps(row)
             continue
+        assert row["traced_host_step_ms"] is None and row["traced_host_exposed_ms"] is None, name
         assert row["rank0_fused_adamw_calls"] == int(row["step"] == "fused") and row["grads_mib_after_backward"] > 0
         assert all(h < w for h, w in zip(row["host_step_ms"], row["step_ms"], strict=True)), name
     fast, torch_row = runs[bench_offload.MAIN], runs[bench_offload.RIVAL]
@@ -371,6 +382,7 @@ def test_bench_offload_fake_world_on_cpu(capsys: pytest.CaptureFixture[str]) -> 
         assert len(row["step_ms"]) == 2 and row["losses"] is None and row["max_loss_diff_vs_torch"] is None, name
         if row["step"].startswith("in_backward"):
             assert row["grads_mib_after_backward"] == 0 and len(row["param_groups"]) == 2, name  # root, one block
+            assert_traced_host_steps(row)
             continue
         fused = row["step"] == "fused"
         assert row["param_groups"] == [{"params": 16, "fused": True if fused else None, "foreach": not fused}], name

@@ -247,13 +247,15 @@ def check_host_step_trace(events: list[dict[str, Any]], overlap: bool) -> None:
 
 def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
     """Host groups step on a thread of their own while backward goes on ([Note: host steps off backward's thread]):
-    the last block's step waits for a signal that only comes once backward has moved on to the first block (the
-    gradient of the first block's output), and gets it; with ``overlap=False`` that step runs before, so the signal
-    is not there yet. Either way backward returns with every group stepped and the same parameters. A step that
-    raises makes ``loss.backward()`` raise its error; the groups reduced after it keep their gradients, unstepped;
-    the next backward steps every group again."""
-    stepped: dict[bool, nn.Module] = {}
-    for overlap in (True, False):
+    with ``overlap=True`` the last block's step waits for a signal that only comes once backward has moved on to
+    the first block (the gradient of the first block's output), and gets it; with ``overlap=False``, and by default
+    on a CPU mesh (nothing to overlap with but the same cores), that step runs before, so the signal is not there
+    yet. Each way backward returns with every group stepped and the same parameters. A step that raises makes
+    ``loss.backward()`` raise its error; the groups reduced after it keep their gradients, unstepped; the next
+    backward steps every group again."""
+    stepped: list[nn.Module] = []
+    for overlap in (True, False, None):
+        off_thread = overlap is True  # None: only where the mesh's device is not the host
         model = offloaded_mlp()
         released = threading.Event()
         signalled: list[bool] = []
@@ -261,20 +263,22 @@ def check_step_in_backward_overlaps(rank: int, ws: int) -> None:
         handle = step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)), overlap=overlap)
         assert handle.overlap is overlap
         last_block = handle.optimizers[2]  # the root's, then blocks[0]'s, blocks[1]'s: blocks[1] is reduced first
-        last_block.register_step_pre_hook(partial(_note_signal, released, signalled, overlap))
+        last_block.register_step_pre_hook(partial(_note_signal, released, signalled, off_thread))
         for step in range(2):
             released.clear()
             with fl.record_trace(model) as trace:
                 mlp_loss(model, mlp_batch(step, rank)).backward()
             assert all(p.grad is None for p in model.parameters()), (overlap, step)  # stepped when backward returns
-        assert signalled == [overlap, overlap], (overlap, signalled)
-        check_host_step_trace(trace.as_dicts(), overlap)
-        stepped[overlap] = model
-    for param, ref in zip(stepped[True].parameters(), stepped[False].parameters(), strict=True):
-        assert torch.equal(full(param), full(ref))
+        assert signalled == [off_thread, off_thread], (overlap, signalled)
+        check_host_step_trace(trace.as_dicts(), off_thread)
+        stepped.append(model)
+    for params in zip(*(model.parameters() for model in stepped), strict=True):
+        assert all(torch.equal(full(params[0]), full(param)) for param in params[1:])
+    with pytest.raises(TypeError, match="overlap must be True, False or None"):
+        step_in_backward(offloaded_mlp(), lambda ps: torch.optim.AdamW(ps), overlap="yes")  # type: ignore[arg-type]
 
     model = offloaded_mlp()
-    handle = step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)))
+    handle = step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)), overlap=True)
     before = [full(p).clone() for p in model.parameters()]
 
     def refuse(*_: Any) -> None:

@@ -23,9 +23,10 @@ Who waits for it, and why:
   first use's backward, and reduced twice) waits before its all-gather reads the shards the step writes and
   before its reduction adds into the gradients the step reads and frees (``HostSteps.wait_for``);
 - an exception mid-step (``RootContext.reset``) waits too, so no step outlives the recovery.
-Only hooks that say so (``runs_off_thread``), of groups whose sharded parameters are on the host, go to the
-worker, and only when every hook of the group does: a hook of the user's might read the gradients the step
-frees. Everything else runs in backward's thread as autograd would, after the copy to the host landed.
+Only hooks that say so (``runs_off_thread``: True, or None for "off a CPU mesh", where there is a device to
+overlap with), of groups whose sharded parameters are on the host, go to the worker, and only when every hook
+of the group does: a hook of the user's might read the gradients the step frees. Everything else runs in
+backward's thread as autograd would, after the copy to the host landed.
 
 A step that raises stops the steps queued after it (as an exception in backward's thread would) and is
 raised by the next wait in backward's thread: from the reduction that waited, or from ``loss.backward()``.
@@ -139,7 +140,7 @@ def run_post_accumulate_grad_hooks(
     ]
     if not calls:
         return
-    off_thread = all(getattr(call.func, "runs_off_thread", False) for call in calls) and all(
+    off_thread = all(_off_thread(getattr(call.func, "runs_off_thread", False), comm) for call in calls) and all(
         param.sharded_param.device.type == "cpu" for param in params
     )
     run_all = partial(_run_all, calls)
@@ -150,6 +151,12 @@ def run_post_accumulate_grad_hooks(
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
     with _span(comm.recorder, "host_step", group):
         run_all()
+
+
+def _off_thread(runs_off_thread: bool | None, comm: Comm) -> bool:
+    """A hook's ``runs_off_thread``: True, False, or None for "where the mesh's device is not the host" (on a CPU
+    mesh the step would only share backward's cores)."""
+    return runs_off_thread is True or (runs_off_thread is None and comm.device.type != "cpu")
 
 
 def _run_all(calls: list[partial[None]]) -> None:

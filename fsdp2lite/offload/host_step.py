@@ -262,7 +262,7 @@ class StepInBackward:
     """What ``step_in_backward`` set up: one optimizer per fsdp2lite group, stepped from backward."""
 
     optimizers: list[torch.optim.Optimizer]  # one per group with trainable parameters, in model.modules() order
-    overlap: bool  # host groups step on a thread of their own while backward goes on
+    overlap: bool | None  # host groups step on a thread of their own while backward goes on (None: off a CPU mesh)
     handles: list[RemovableHandle] = field(default_factory=list)  # the post-accumulate-grad hooks
 
     def remove(self) -> None:
@@ -276,7 +276,7 @@ def step_in_backward(
     model: nn.Module,
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     *,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> StepInBackward:
     """Step each fsdp2lite group of ``model`` inside backward, as soon as its reduced gradients are in ``.grad``.
 
@@ -288,11 +288,13 @@ def step_in_backward(
     offload one pinned host buffer, the largest group's, takes every group's gradients in turn ([Note: host
     gradient buffers] in ``_runtime/pinned.py``).
 
-    With ``overlap`` (the default) a group whose shards are on the host (CPU offload, or a CPU mesh) steps on a
-    worker thread while backward goes on to the next groups: on CUDA the device keeps running the backward while
-    the host steps, instead of waiting for each step ([Note: host steps off backward's thread] in
-    ``_runtime/host_steps.py``). ``loss.backward()`` returns once every group has stepped, either way, with the
-    same values; an error raised by a step is raised from it. ``overlap=False`` steps in backward's own thread.
+    ``overlap``: whether a group whose shards are on the host steps on a worker thread while backward goes on to
+    the next groups ([Note: host steps off backward's thread] in ``_runtime/host_steps.py``). ``None`` (the
+    default): where backward runs on a device, i.e. CPU offload from a CUDA mesh, so the device keeps running the
+    backward while the host steps instead of waiting for each step; on a CPU mesh the step and the backward would
+    share the same cores, so they take turns. ``True``: on any mesh (a CPU job with cores to spare). ``False``:
+    always in backward's own thread. ``loss.backward()`` returns once every group has stepped, either way, with
+    the same values; an error raised by a step is raised from it.
 
     Do not call ``step()`` yourself; there is no gradient clipping across groups, since no group waits for the
     others. Microbatches with gradient sync off reduce nothing, so they step nothing; the synchronising one
@@ -301,8 +303,8 @@ def step_in_backward(
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(f"step_in_backward takes the root fsdp2lite.FSDPModule, got {type(model).__name__}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"step_in_backward: overlap must be True or False, got {overlap!r}")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(f"step_in_backward: overlap must be True, False or None (off a CPU mesh), got {overlap!r}")
     groups = _group_params(model)
     optimizers = [_make_optimizer(optimizer_factory, params, index) for index, params in enumerate(groups)]
     handles = [
@@ -350,9 +352,9 @@ class _GroupStep:
     runtime call it on its host-step thread ([Note: host steps off backward's thread])."""
 
     optimizer: torch.optim.Optimizer
-    runs_off_thread: bool
+    runs_off_thread: bool | None  # None: where the mesh's device is not the host
 
-    def __init__(self, optimizer: torch.optim.Optimizer, overlap: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, overlap: bool | None) -> None:
         self.optimizer = optimizer
         self.runs_off_thread = overlap
 
