@@ -14,9 +14,9 @@ AdamW's state live on the host in every run:
                                 per-parameter for-loop for CPU tensors (foreach is for CUDA). The rival.
     fsdp2lite + AdamW           fsdp2lite with the rival's step: the runtime's share apart from the step's
     torch + fast_host_step      the rival's runtime with the fused step: the step's share apart from the runtime's
-    fsdp2lite + step_in_backward  ``step_in_backward(model, lambda ps: fast_host_step(AdamW(ps)))``: each group
-                                stepped inside backward as its reduced gradients land, its gradients freed at once,
-                                on a host thread while backward goes on
+    fsdp2lite + step_in_backward  ``step_in_backward(model, lambda ps: fast_host_step(AdamW(ps)), overlap=True)``:
+                                each group stepped inside backward as its reduced gradients land, its gradients
+                                freed at once, on a host thread while backward goes on
     ... , overlap off           the same with ``overlap=False``: each step in backward's own thread
 Per run and step, after warm-up, step i of every run in turn, a barrier before each, each time the slowest rank's:
 the whole step (forward, loss, backward, ``optimizer.step()``, ``zero_grad()``) and the host step
