@@ -13,6 +13,7 @@ update at lr 1e-2, so a skipped, repeated or mis-corrected step fails.
 from __future__ import annotations
 
 import sys
+import tempfile
 import threading
 import warnings
 from functools import partial
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 from _dist import spawn_checks
 from _models import UnevenBlock, UnevenMLP, mlp_batch, mlp_loss
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -330,6 +332,27 @@ def check_step_in_backward_overlap_twice_and_microbatches(rank: int, ws: int) ->
         assert torch.equal(full(param), full(ref))
 
 
+def check_step_in_backward_overlap_with_nvme_and_hsdp(rank: int, ws: int) -> None:
+    """Overlapped host steps with optimizer state on NVMe (the I/O thread streams each group's state while the
+    host-step thread steps it) equal in-memory offload bit for bit; on an HSDP mesh (2 x 2) they equal
+    overlap=False's."""
+    with tempfile.TemporaryDirectory() as nvme:
+        results = []
+        for policy, mesh, overlap in (
+            (OFFLOAD, None, False),
+            (fl.CPUOffloadPolicy(pin_memory=False, optimizer="nvme", nvme_path=nvme), None, True),
+            (OFFLOAD, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), True),
+            (OFFLOAD, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), False),
+        ):
+            model = offloaded_mlp(offload_policy=policy, **({"mesh": mesh} if mesh is not None else {}))
+            step_in_backward(model, lambda ps: fast_host_step(torch.optim.AdamW(ps, lr=LR)), overlap=overlap)
+            for step in range(3):
+                mlp_loss(model, mlp_batch(step, rank)).backward()
+            results.append([full(p) for p in model.parameters()])
+    for first, second in ((0, 1), (2, 3)):
+        assert all(torch.equal(a, b) for a, b in zip(results[first], results[second], strict=True)), (first, second)
+
+
 def test_fast_host_step_on_4_offloaded_ranks() -> None:
     spawn_checks(
         4,
@@ -340,6 +363,7 @@ def test_fast_host_step_on_4_offloaded_ranks() -> None:
         check_step_in_backward,
         check_step_in_backward_overlaps,
         check_step_in_backward_overlap_twice_and_microbatches,
+        check_step_in_backward_overlap_with_nvme_and_hsdp,
     )
 
 

@@ -478,7 +478,8 @@ def accumulate_sharded_grads(
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
-    run_post_accumulate_grad_hooks(params, offload_event, comm, group)  # [Note: host steps off backward's thread]
+    # [Note: host steps off backward's thread]
+    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
     return offload_event
 
 

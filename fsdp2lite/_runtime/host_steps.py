@@ -48,7 +48,6 @@ import torch
 from .trace import HOST_LANE, TraceRecorder
 
 if TYPE_CHECKING:
-    from .comm import Comm
     from .param import FSDPParam
 
 
@@ -127,12 +126,16 @@ def _span(recorder: TraceRecorder | None, name: str, group: str, lane: str = "")
 
 
 def run_post_accumulate_grad_hooks(
-    params: tuple[FSDPParam, ...], copy_event: torch.cuda.Event | None, comm: Comm, group: str
+    params: tuple[FSDPParam, ...],
+    copy_event: torch.cuda.Event | None,
+    host_steps: HostSteps,
+    group: str,
+    device: torch.device,
 ) -> None:
     """``param.register_post_accumulate_grad_hook`` on group ``group``'s sharded parameters (e.g. an optimizer
     stepping in backward): called once their reduced gradients are in ``.grad``, as autograd would for a leaf; on
     the host-step worker when every hook allows it and the shards are on the host ([Note: host steps off
-    backward's thread])."""
+    backward's thread]). ``device``: the mesh's."""
     calls = [
         partial(hook, param.sharded_param)
         for param in params
@@ -140,23 +143,23 @@ def run_post_accumulate_grad_hooks(
     ]
     if not calls:
         return
-    off_thread = all(_off_thread(getattr(call.func, "runs_off_thread", False), comm) for call in calls) and all(
+    off_thread = all(_off_thread(getattr(call.func, "runs_off_thread", False), device) for call in calls) and all(
         param.sharded_param.device.type == "cpu" for param in params
     )
     run_all = partial(_run_all, calls)
     if off_thread:
-        comm.host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group)
+        host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group)
         return
     if copy_event is not None:
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
-    with _span(comm.recorder, "host_step", group):
+    with _span(host_steps.recorder(), "host_step", group):
         run_all()
 
 
-def _off_thread(runs_off_thread: bool | None, comm: Comm) -> bool:
+def _off_thread(runs_off_thread: bool | None, device: torch.device) -> bool:
     """A hook's ``runs_off_thread``: True, False, or None for "where the mesh's device is not the host" (on a CPU
     mesh the step would only share backward's cores)."""
-    return runs_off_thread is True or (runs_off_thread is None and comm.device.type != "cpu")
+    return runs_off_thread is True or (runs_off_thread is None and device.type != "cpu")
 
 
 def _run_all(calls: list[partial[None]]) -> None:
