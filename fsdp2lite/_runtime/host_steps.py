@@ -5,8 +5,8 @@ thread or, for ``fsdp2lite.step_in_backward``'s host steps, on a thread of their
 ``step_in_backward`` steps each group from a post-accumulate-grad hook. Run in backward's own thread, the
 step of an offloaded group stops everything: on CUDA the hook first waits for the group's gradients to reach
 the host (the copy lands after all device work queued before it), and the next group's backward is queued only
-after the step returns, so the device idles for the whole host step; on CPU the step and the backward take
-turns. ``HostSteps`` runs those steps on one worker thread instead, in the order their groups were reduced:
+after the step returns, so the device idles for the whole host step. ``HostSteps`` runs those steps on one
+worker thread instead, in the order their groups were reduced:
 
     backward's thread   ... group k reduced -> submit step k -> queue group k-1's backward -> reduce k-1 ...
     worker thread                              wait copy k -> step k (host) -> free k's gradients
@@ -17,21 +17,24 @@ Who waits for it, and why:
   gradient buffers] in pinned.py) waits for the steps first: they free their groups' buffers, so one buffer,
   the largest group's, still serves every group, and step k overlaps the backward queued before group k-1's
   reduction (on CUDA, what the device has in its queue; on CPU, the backward's own compute);
-- the end of backward (``RootContext.finalize_backward``) waits for all of them: ``loss.backward()`` returns
-  with every group stepped, as before, so the next forward, ``state_dict`` and user code read stepped shards;
+- the end of every backward (``RootContext._end_backward_pass``, microbatches included) waits for all of them:
+  ``loss.backward()`` returns with every group stepped, as before, so the next forward, ``state_dict`` and
+  user code read stepped shards;
 - a group used again while its step is in flight (used twice in one backward: all-gathered again for its
   first use's backward, and reduced twice) waits before its all-gather reads the shards the step writes and
   before its reduction adds into the gradients the step reads and frees (``HostSteps.wait_for``);
 - an exception mid-step (``RootContext.reset``) waits too, so no step outlives the recovery.
-Only hooks that say so (``runs_off_thread``: True, or None for "off a CPU mesh", where there is a device to
-overlap with), of groups whose sharded parameters are on the host, go to the worker, and only when every hook
-of the group does: a hook of the user's might read the gradients the step frees. Everything else runs in
+Only hooks that say so (``runs_off_thread``: True, or None for "off a CPU mesh": on a CPU mesh the worker would
+step on the cores the backward runs on, measured in docs/offload.md), of groups whose sharded parameters are on
+the host, go to the worker, and only when every hook of the group does: a hook of the user's might read the
+gradients the step frees. Everything else runs in
 backward's thread as autograd would, after the copy to the host landed.
 
 A step that raises stops the steps queued after it (as an exception in backward's thread would) and is
 raised by the next wait in backward's thread: from the reduction that waited, or from ``loss.backward()``.
 The worker runs outside backward's thread-local state: a ``TorchDispatchMode`` or ``no_grad`` entered around
-``backward()`` does not apply to it (the optimizers set their own grad mode).
+``backward()`` does not apply to it (the optimizers set their own grad mode). With tracing on, each step is a
+``host_step`` span in a lane of its own and each wait for the worker a ``host_step_wait`` span (trace.py).
 """
 
 from __future__ import annotations
