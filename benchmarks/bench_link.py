@@ -61,9 +61,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from _link import LinkGroup, find_link, init_link_group
+from _ranks import start_ranks
 from _results import environment, environment_markdown, markdown_table, save_run
 from rich.console import Console
 from rich.table import Table
@@ -260,7 +260,7 @@ def _cpu_entry(rank: int, out_file: str, init_file: str, setup: Setup, links: li
 def run_cpu(setup: Setup, links: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out, init = os.path.join(tmp, "out.json"), os.path.join(tmp, "pg")
-        mp.spawn(_cpu_entry, args=(out, init, setup, links), nprocs=setup.world_size, join=True)
+        start_ranks(_cpu_entry, setup.world_size, (out, init, setup, links))
         return json.loads(Path(out).read_text())
 
 

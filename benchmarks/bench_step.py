@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from _meters import count_collectives, tracked_peak  # benchmarks/ is sys.path[0] when run as a script
+from _ranks import start_ranks
 from _results import environment, environment_markdown, markdown_table, save_run
 from rich.console import Console
 from rich.table import Table
@@ -273,10 +273,10 @@ def _temp_path(prefix: str) -> str:
 
 
 def spawn_and_read(entry: Callable[..., None], nprocs: int, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Run ``entry(rank, out_file, *args)`` in ``nprocs`` spawned processes; rank 0's JSON result."""
+    """Run ``entry(rank, out_file, *args)`` in ``nprocs`` new processes (``start_ranks``); rank 0's JSON result."""
     out_file = _temp_path("fsdp2lite_bench_out_")
     try:
-        mp.spawn(entry, args=(out_file, *args), nprocs=nprocs, join=True)
+        start_ranks(entry, nprocs, (out_file, *args))
         return json.loads(Path(out_file).read_text())
     finally:
         if os.path.exists(out_file):

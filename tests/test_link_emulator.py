@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -27,6 +26,7 @@ from fsdp2lite.models import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import _link  # noqa: E402
+from _ranks import start_ranks  # noqa: E402
 
 MB = 10**6
 # the names both libraries call (torch 2.13 renamed them; 2.11 has only the old ones)
@@ -148,7 +148,7 @@ def _rank(rank: int, world_size: int, init_file: str) -> None:
 
 def test_emulated_gloo_group_charges_and_serves_both_libraries() -> None:
     init_file = os.path.join(tempfile.mkdtemp(prefix="fsdp2lite_link_"), "pg")
-    mp.spawn(_rank, args=(2, init_file), nprocs=2, join=True)
+    start_ranks(_rank, 2, (2, init_file))  # forked from the suite's fork server (benchmarks/_ranks.py)
 
 
 # ---- bench_link's own logic (no processes) ---------------------------------------------------------------------
