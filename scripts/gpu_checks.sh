@@ -41,8 +41,9 @@ step() {  # step NAME COMMAND...: run it (if asked for), log to $out/NAME.log, r
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/env.txt" 2>&1
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' >>"$out/env.txt" 2>&1
 # 1. the gpu-marked tests: pinned buffers registered at their exact size, the gradient pool (one buffer per group
-#    kept, one for all under step_in_backward), accumulated gradients read after their copy lands, the
-#    host-to-device copy on the copy-in stream at world size 1 (issue 33), and every earlier gpu test
+#    kept, one for all under step_in_backward, its host steps overlapped with backward and not), accumulated
+#    gradients read after their copy lands, the host-to-device copy on the copy-in stream at world size 1
+#    (issue 33), and every earlier gpu test
 step gpu-tests "$python" -m pytest -q -m gpu tests -p no:cacheprovider
 #    the fused quantize kernels bit-identical to the eager ops on CUDA (issue 34, item 3)
 step fused-quantize "$python" -m pytest -q tests/test_fused_quantize.py -p no:cacheprovider
@@ -51,7 +52,8 @@ step fused-quantize "$python" -m pytest -q tests/test_fused_quantize.py -p no:ca
 step offload-memory "$python" benchmarks/bench_offload_memory.py --device cuda --out-dir "$out"
 # 3. step time at each emulated link, fsdp2lite's policies against torch's fully_shard (issue 34, item 2)
 step link "$python" benchmarks/bench_link.py --device cuda --links pcie4,nvlink4 --json --out-dir "$out"
-# 4. host step and whole step against torch's CPUOffloadPolicy + foreach AdamW, 340M GPT at fake world 8 (issue 33,
-#    item 2; about 1 minute)
+# 4. host step and whole step against torch's CPUOffloadPolicy + foreach AdamW, 340M GPT at fake world 8, and
+#    step_in_backward with its host steps overlapping the device's backward and not, traced (issue 33, item 2;
+#    about 1 minute)
 step offload-step "$python" benchmarks/bench_offload.py --device cuda --steps 8 --out-dir "$out"
 exit "$status"
