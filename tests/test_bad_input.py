@@ -829,7 +829,15 @@ def test_checkpoint_argument_errors(one_rank: DeviceMesh, tmp_path: Path) -> Non
         (
             lambda: fl.save_checkpoint(path, model, optimizer="adam"),
             TypeError,
-            r"optimizer must be a torch.optim.Optimizer or None, got str",
+            r"optimizer must be a torch.optim.Optimizer, a non-empty list of them \(one per group: "
+            r"fl.step_in_backward's handle.optimizers\) or None, got str",
+        ),
+        (lambda: fl.save_checkpoint(path, model, []), TypeError, r"or None, got an empty list"),
+        (lambda: fl.load_checkpoint(path, model, [optimizer, "adam"]), TypeError, r"optimizer\[1\] must be a"),
+        (
+            lambda: fl.load_checkpoint(path, model, [optimizer, torch.optim.SGD([model.scale], lr=0.1)]),
+            ValueError,
+            r"scale is in optimizer\[0\] and optimizer\[1\]; a list of optimizers is saved as one state",
         ),
         (lambda: fl.load_checkpoint(path, "model"), TypeError, r"model must be an nn.Module, got str"),
         (lambda: fl.load_checkpoint(tmp_path / "none", model), fl.CheckpointError, r"none: not a directory"),

@@ -3,6 +3,10 @@
     fl.save_checkpoint(path, model, optimizer)      # every rank writes its shards
     fl.load_checkpoint(path, model, optimizer)      # any world size or mesh: DCP reshards on load
 
+``optimizer`` may also be a list of optimizers over disjoint parameters (``fl.step_in_backward``'s
+``handle.optimizers``: one per group): their states are saved as one, keyed by parameter name, as torch's
+``get_optimizer_state_dict`` merges them, and split back on load.
+
 fsdp2lite models hold DTensor parameters with the placements torch's ``fully_shard`` uses, so DCP and
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` & co.) work on them directly and
 checkpoints move both ways between the two libraries. These two functions add what a user needs on
@@ -34,8 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 from .errors import CheckpointError
 from .safe import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
-def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizers | None = None) -> None:
     """Save ``{"model": ..., "optim": ...}`` with DCP; collective: call it on every rank."""
     _check_arguments("save_checkpoint", path, model, optimizer)
     if Path(path).exists() and not Path(path).is_dir():
@@ -48,7 +54,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise CheckpointError(f"{path}: saving failed: {_first_failure(exc)}") from None
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizers | None = None) -> None:
     """Check, then load a DCP checkpoint into ``model`` (and ``optimizer``) in place; collective.
 
     All or nothing: the checkpoint is read into separate tensors first (for a moment, a second copy of
@@ -84,8 +90,37 @@ def _check_arguments(caller: str, path: Any, model: Any, optimizer: Any) -> None
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"{usage}: model must be an nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{usage}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if not isinstance(optimizer, list | tuple) or not optimizer:
+        raise TypeError(
+            f"{usage}: optimizer must be a torch.optim.Optimizer, a non-empty list of them (one per group: "
+            f"fl.step_in_backward's handle.optimizers) or None, got {_describe(optimizer)}"
+        )
+    for index, item in enumerate(optimizer):
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(f"{usage}: optimizer[{index}] must be a torch.optim.Optimizer, got {type(item).__name__}")
+    _check_disjoint(usage, model, optimizer)
+
+
+def _describe(value: Any) -> str:
+    return "an empty list" if isinstance(value, list | tuple) else type(value).__name__
+
+
+def _check_disjoint(usage: str, model: nn.Module, optimizers: list[torch.optim.Optimizer] | tuple[Any, ...]) -> None:
+    """Each parameter in one optimizer at most: their states are saved as one dict keyed by parameter name."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    owner: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                first = owner.setdefault(id(param), index)
+                if first != index:
+                    name = names.get(id(param), f"a {tuple(param.shape)} parameter")
+                    raise ValueError(
+                        f"{usage}: {name} is in optimizer[{first}] and optimizer[{index}]; a list of optimizers "
+                        "is saved as one state keyed by parameter name, so each parameter may be in one of them"
+                    )
 
 
 def _staged(value: Any) -> Any:
@@ -133,7 +168,7 @@ def damaged_items(path: str | Path, metadata: Metadata) -> list[str]:
     return found
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
