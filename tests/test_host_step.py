@@ -530,6 +530,9 @@ def test_refuses_what_is_not_an_optimizer() -> None:
         fast_host_step(list(model.parameters()))  # type: ignore[arg-type]
 
 
+CPU = torch.device("cpu")
+
+
 def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_error() -> None:
     """[Note: host steps off backward's thread]: one worker, steps in submission order; ``wait_for`` waits only for
     steps submitted for the given parameters; a step that raises skips the ones queued after it and is raised by
@@ -538,8 +541,8 @@ def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_e
     gate = threading.Event()
     log: list[str] = []
     a, b = torch.zeros(1), torch.zeros(1)
-    steps.submit(lambda: log.append(f"a {gate.wait(60)}"), None, [a], "a")
-    steps.submit(lambda: log.append("b"), None, [b], "b")
+    steps.submit(lambda: log.append(f"a {gate.wait(60)}"), None, [a], "a", CPU)
+    steps.submit(lambda: log.append("b"), None, [b], "b", CPU)
     steps.wait_for([torch.zeros(1)])  # neither's: returns while ``a`` waits at the gate, ``b`` queued behind it
     assert log == [] and len(steps.pending) == 2
     gate.set()
@@ -549,13 +552,13 @@ def test_host_steps_run_in_order_wait_for_their_parameters_and_raise_the_first_e
     def refuse() -> None:
         raise ValueError("group 1 refuses")
 
-    steps.submit(refuse, None, [a], "a")
-    steps.submit(lambda: log.append("after the error"), None, [b], "b")
+    steps.submit(refuse, None, [a], "a", CPU)
+    steps.submit(lambda: log.append("after the error"), None, [b], "b", CPU)
     with pytest.raises(ValueError, match="group 1 refuses"):
         steps.wait()
     assert log == ["a True", "b"]  # skipped, as backward's thread would have stopped
-    steps.submit(lambda: log.append("c"), None, [a], "a")
+    steps.submit(lambda: log.append("c"), None, [a], "a", CPU)
     assert steps.wait() is True and log[-1] == "c"  # the error was cleared by the wait that raised it
-    steps.submit(refuse, None, [a], "a")
+    steps.submit(refuse, None, [a], "a", CPU)
     with pytest.warns(RuntimeWarning, match="a host step in backward also raised: ValueError"):
         steps.wait_quietly()

@@ -71,13 +71,18 @@ class HostSteps:
         self.failed = False
 
     def submit(
-        self, step: Callable[[], None], copy_event: torch.cuda.Event | None, params: list[torch.Tensor], group: str
+        self,
+        step: Callable[[], None],
+        copy_event: torch.cuda.Event | None,
+        params: list[torch.Tensor],
+        group: str,
+        device: torch.device,
     ) -> None:
         """Run ``step`` (group ``group``'s hooks on its sharded ``params``) on the worker after the steps already
-        submitted, once ``copy_event`` (the gradients' copy to the host) has completed."""
+        submitted, once ``copy_event`` (the gradients' copy to the host, recorded on ``device``) has completed."""
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2lite-host-step")
-        future = self.executor.submit(self._run, step, copy_event, self.recorder(), group)
+        future = self.executor.submit(self._run, step, copy_event, device, self.recorder(), group)
         self.pending.append((future, group))
         self.stepping.update(id(param) for param in params)
 
@@ -88,13 +93,19 @@ class HostSteps:
             self.wait()
 
     def _run(
-        self, step: Callable[[], None], copy_event: torch.cuda.Event | None, recorder: TraceRecorder | None, group: str
+        self,
+        step: Callable[[], None],
+        copy_event: torch.cuda.Event | None,
+        device: torch.device,
+        recorder: TraceRecorder | None,
+        group: str,
     ) -> None:
         if self.failed:
             return  # an earlier step raised: backward's thread will raise it, as if it had stopped there
         try:
             if copy_event is not None:
-                copy_event.synchronize()  # the step reads the host gradients: their copy must have landed
+                with torch.cuda.device(device):  # this thread's current device is cuda:0 until told otherwise
+                    copy_event.synchronize()  # the step reads the host gradients: their copy must have landed
             with _span(recorder, "host_step", group, HOST_LANE):
                 step()
         except BaseException:
@@ -151,7 +162,7 @@ def run_post_accumulate_grad_hooks(
     )
     run_all = partial(_run_all, calls)
     if off_thread:
-        host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group)
+        host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group, device)
         return
     if copy_event is not None:
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
