@@ -28,7 +28,8 @@ The steps, as the code below reads:
      per tensor (--finetune lora|qlora without --weights: every rank builds the seeded base whole)
   4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
   5. train: gradient accumulation, clipping, AdamW (on torch's fused CPU kernel for the parameters a
-     config offloads to the host: fsdp2lite.fast_host_step), checkpoints every --save-every steps
+     config offloads to the host: fsdp2lite.fast_host_step; with --step-in-backward one AdamW per group,
+     stepped inside backward: fsdp2lite.step_in_backward), checkpoints every --save-every steps
   6. report: progress on rank 0 (loss, tokens/s, peak memory), a final JSON line
 """
 
@@ -155,6 +156,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this total norm (0: off)")
+    p.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="one AdamW per fsdp2lite group, stepped inside backward as its gradients land (fsdp2lite."
+        "step_in_backward): no gradients kept for a step; offloaded from a GPU, the host steps overlap the "
+        "backward. Needs --max-grad-norm 0 (no global norm exists) and --finetune full",
+    )
     p.add_argument("--seed", type=int, default=0, help="model init, data order and dropout")
     p.add_argument("--checkpoint-dir", type=Path, help="save here every --save-every steps and at the end")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
@@ -192,6 +200,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "save_every", "warmup_steps"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if args.step_in_backward and args.max_grad_norm:
+        p.error(
+            "--step-in-backward steps each group inside backward, before the other groups' gradients exist, so "
+            f"nothing can clip by their global norm: pass --max-grad-norm 0 with it (got {args.max_grad_norm:g})"
+        )
+    if args.step_in_backward and args.finetune != "full":
+        p.error(f"--step-in-backward trains --finetune full only, got --finetune {args.finetune}")
     if args.resume and args.resume == "latest" and args.checkpoint_dir is None:
         p.error("--resume latest needs --checkpoint-dir (where to look for checkpoints)")
     try:
@@ -613,7 +628,8 @@ class Run:
     tokenizer: str
     dataset: TokenWindows
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # one; --step-in-backward: one per group, stepped inside backward
+    in_backward: bool  # --step-in-backward
     resumed_from: Path | None
     start_step: int
     tokens_seen: int
@@ -626,9 +642,36 @@ def offloads(config: fl.FSDPConfig) -> bool:
     return any(offload.device == "cpu" for offload in rules)
 
 
-def fused_host_params(optimizer: torch.optim.Optimizer) -> int:
-    """Parameters ``optimizer`` steps with torch's fused CPU kernel (``fl.fast_host_step``'s groups)."""
-    return sum(len(group["params"]) for group in optimizer.param_groups if group.get("fused"))
+def fused_host_params(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Parameters ``optimizers`` step with torch's fused CPU kernel (``fl.fast_host_step``'s groups)."""
+    return sum(len(group["params"]) for opt in optimizers for group in opt.param_groups if group.get("fused"))
+
+
+def adamw(params: list[nn.Parameter], args: argparse.Namespace, host: bool, keep_empty: bool = True) -> Any:
+    """AdamW over ``params``: weight decay on matrices, none on norms and biases; on torch's fused CPU kernel for
+    the host parameters when ``host`` (the config offloads). ``keep_empty``: both groups even when one is empty,
+    as a resumed checkpoint of the one-optimizer run expects."""
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if keep_empty or g["params"]], lr=args.lr, betas=(0.9, 0.95))
+    if host and any(p.device.type == "cpu" for p in params):
+        fl.fast_host_step(optimizer)
+    return optimizer
+
+
+def make_optimizers(args: argparse.Namespace, model: nn.Module, config: fl.FSDPConfig) -> list[torch.optim.Optimizer]:
+    """One AdamW over the trainable parameters, or with --step-in-backward one per group, stepped from backward.
+    Made before a resume loads their state: the saved run's were made the same way."""
+    host = offloads(config)
+    if args.step_in_backward:
+        return fl.step_in_backward(model, lambda params: adamw(params, args, host, keep_empty=False)).optimizers
+    return [adamw([p for p in model.parameters() if p.requires_grad], args, host)]
+
+
+def checkpointed(run: Run) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """What a checkpoint holds the optimizer state of: the one optimizer, or every group's (saved as one)."""
+    return run.optimizers if run.in_backward else run.optimizers[0]
 
 
 def prepare(args: argparse.Namespace, job: Job) -> Run:
@@ -657,19 +700,15 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
             )
             fill_from_rank0(model, source)
             del source  # rank 0's full host copy is no longer needed
-    trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or the adapters
-    decay = [p for p in trained if p.ndim >= 2]  # no weight decay on norms and biases
-    rest = [p for p in trained if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    if offloads(config):  # before a resume loads its state: the saved run's groups were made the same way
-        fl.fast_host_step(optimizer)
+    optimizers = make_optimizers(args, model, config)  # all the parameters, or the adapters
     bytes_read: list[int | None] = [None] * job.world_size  # each rank's bytes of --weights read
     dist.all_gather_object(bytes_read, weights.bytes_read if weights is not None else None)
-    run = Run(config_path, spec, tokenizer, dataset, model, optimizer, resume, 0, 0, bytes_read)
+    run = Run(config_path, spec, tokenizer, dataset, model, optimizers, args.step_in_backward, resume, 0, 0, bytes_read)
     if resume is not None:
-        load = finetune.load_trainable if args.finetune != "full" else fl.load_checkpoint
-        on_every_rank(job, f"loading {resume}", lambda: load(resume, model, optimizer))
+        if args.finetune != "full":  # adapters + their optimizer; --step-in-backward: --finetune full only
+            on_every_rank(job, f"loading {resume}", lambda: finetune.load_trainable(resume, model, optimizers[0]))
+        else:
+            on_every_rank(job, f"loading {resume}", lambda: fl.load_checkpoint(resume, model, checkpointed(run)))
         state = json.loads((resume / STATE_FILE).read_text())
         run.start_step, run.tokens_seen = int(state["step"]), int(state["tokens"])
         if state["global_batch"] != global_batch(args, job) and job.rank == 0:
@@ -731,10 +770,10 @@ def find_resume(args: argparse.Namespace) -> Path | None:
 
 def save(path: Path, run: Run, job: Job, step: int, args: argparse.Namespace) -> None:
     if args.finetune != "full":  # adapters + optimizer; the frozen base is rebuilt, not saved
-        finetune.save_trainable(path, run.model, run.optimizer)
+        finetune.save_trainable(path, run.model, run.optimizers[0])  # --step-in-backward: --finetune full only
         finetune.save_adapter(run.model, path / "adapter")  # peft's format, for PeftModel.from_pretrained
     else:
-        fl.save_checkpoint(path, run.model, run.optimizer)  # every rank writes its shards
+        fl.save_checkpoint(path, run.model, checkpointed(run))  # every rank writes its shards
     if args.fault:
         args.fault.strike(job, "save", step)
     dist.barrier()  # every shard is on disk before the directory is marked finished
@@ -765,10 +804,12 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 def train_step(
     run: Run, batches: Iterator[torch.Tensor], step: int, args: argparse.Namespace, job: Job
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over --grad-accum microbatches; returns (this rank's loss, the gradient norm)."""
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(step, args)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over --grad-accum microbatches; returns (this rank's loss, the gradient norm: None with
+    --step-in-backward, whose groups stepped inside the last microbatch's backward)."""
+    for optimizer in run.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
     torch.manual_seed(args.seed + 1 + step * job.world_size + job.rank)  # dropout draws: the same after a resume
     loss_sum = torch.zeros((), device=job.device)
     for micro in range(args.grad_accum):
@@ -776,10 +817,12 @@ def train_step(
         loss = lm_loss(run.model, next(batches).to(job.device, non_blocking=True)) / args.grad_accum
         loss.backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.max_grad_norm or math.inf)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
     run.tokens_seen += global_batch(args, job) * args.seq
+    if run.in_backward:
+        return loss_sum, None
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.max_grad_norm or math.inf)
+    run.optimizers[0].step()
+    run.optimizers[0].zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
@@ -802,7 +845,7 @@ def train(args: argparse.Namespace, job: Job) -> dict[str, Any]:
             loss = loss_sum.item() / job.world_size
             norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
             peak = int(all_ranks(job, peak_memory(job), dist.ReduceOp.MAX))
-            report.step(done, loss, lr_at(step, args), float(norm), run.tokens_seen, peak)
+            report.step(done, loss, lr_at(step, args), None if norm is None else float(norm), run.tokens_seen, peak)
         if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             last_saved = args.checkpoint_dir / f"step-{done:07d}"
             save(last_saved, run, job, done, args)
@@ -847,7 +890,8 @@ class Report:
             "steps": args.steps,
             "resumed_from": str(run.resumed_from) if run.resumed_from else None,
             "weights_bytes_read": run.weights_bytes_read,
-            "fused_host_params": fused_host_params(run.optimizer),
+            "fused_host_params": fused_host_params(run.optimizers),
+            "step_in_backward": run.in_backward,
         }
         self.progress: Any = None
         if job.rank != 0:
@@ -868,7 +912,7 @@ class Report:
         self.task = self.progress.add_task("train", total=args.steps, completed=run.start_step, info="")
         self.progress.start()
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, peak: int) -> None:
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, peak: int) -> None:
         now = time.perf_counter()
         rate = (tokens - self.last_tokens) / max(now - self.timer, 1e-9)  # since the last log line
         self.timer, self.last_tokens = now, tokens
@@ -880,7 +924,8 @@ class Report:
         memory = "peak CUDA alloc" if self.job.device.type == "cuda" else "peak RSS"
         info = f"loss {loss:.4f}  {rate:,.0f} tok/s  {memory} {peak / 2**30:.2f} GiB"
         self.progress.update(self.task, completed=step, info=info)
-        self.console.print(f"step {step:>6}  {info}  lr {lr:.2e}  grad norm {grad_norm:.3f}", soft_wrap=True)
+        norm = "-" if grad_norm is None else f"{grad_norm:.3f}"  # --step-in-backward: no global norm
+        self.console.print(f"step {step:>6}  {info}  lr {lr:.2e}  grad norm {norm}", soft_wrap=True)
         if self.args.metrics:
             row = {
                 "step": step,

@@ -178,6 +178,13 @@ def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
     out["C"] = record(python(*single, "--config", "fp32.yaml", "--metrics", "C.jsonl", cwd=tmp))
     (tmp / "offload.yaml").write_text(LAYERS_FP32 + "offload: {device: cpu, pin_memory: false}\n")
     out["H"] = record(python(*single, "--config", "offload.yaml", "--metrics", "H.jsonl", cwd=tmp))
+    unclipped = [*single, "--config", "offload.yaml", "--max-grad-norm", "0"]
+    in_backward = [*unclipped, "--step-in-backward", "--save-every", "2"]
+    out["I"] = record(python(*in_backward, "--checkpoint-dir", "ckI", "--metrics", "I.jsonl", cwd=tmp))
+    out["J"] = record(python(*unclipped, "--metrics", "J.jsonl", cwd=tmp))
+    shutil.copytree(tmp / "ckI" / "step-0000002", tmp / "ckK" / "step-0000002")
+    resume = ["--checkpoint-dir", "ckK", "--resume", "latest", "--metrics", "K.jsonl"]
+    out["K"] = record(python(*in_backward, *resume, cwd=tmp))
     save_initial_weights(tmp / "weights")
     out["D"] = record(torchrun(*base, "--weights", "weights", "--metrics", "D.jsonl", cwd=tmp))
     out["E_tokens"] = gpt2_with_tokenizer(tmp / "gpt2-bpe")
@@ -241,6 +248,36 @@ def test_offloaded_parameters_step_on_the_fused_host_kernel(runs: dict[str, Any]
     assert sorted(fused) == sorted(loop)
     for step in loop:
         assert fused[step] == pytest.approx(loop[step], rel=1e-5), (step, fused, loop)
+
+
+def test_step_in_backward_trains_and_resumes_like_one_optimizer(runs: dict[str, Any]) -> None:
+    """--step-in-backward (one fused AdamW per decoder layer and the root, stepped inside the last microbatch's
+    backward) gives the one-optimizer run's losses bit for bit (the same per-tensor kernel, the same learning
+    rates); its checkpoint holds every group's optimizer state, so a run resumed from step 2 continues exactly;
+    no gradient norm is logged (there is no global one)."""
+    tmp = runs["tmp"]
+    stepped, one = losses(tmp / "I.jsonl"), losses(tmp / "J.jsonl")
+    assert runs["I"]["step_in_backward"] is True and runs["J"]["step_in_backward"] is False
+    assert runs["I"]["fused_host_params"] == runs["J"]["fused_host_params"] == llama_tiny_parameters()
+    assert sorted(stepped) == sorted(one) == [1, 2, 3, 4] and stepped == one, (stepped, one)
+    resumed = losses(tmp / "K.jsonl")
+    assert runs["K"]["resumed_from"] == "ckK/step-0000002" and resumed == {s: stepped[s] for s in (3, 4)}
+    rows = [json.loads(line) for line in (tmp / "I.jsonl").read_text().splitlines()]
+    assert all(row["grad_norm"] is None for row in rows)
+
+
+def test_step_in_backward_arguments_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    train = import_train()
+    for argv, message in (
+        (["--step-in-backward"], "nothing can clip by their global norm: pass --max-grad-norm 0 with it (got 1)"),
+        (
+            ["--step-in-backward", "--max-grad-norm", "0", "--finetune", "lora"],
+            "--step-in-backward trains --finetune full only, got --finetune lora",
+        ),
+    ):
+        with pytest.raises(SystemExit) as info:
+            train.parse_args(argv)
+        assert info.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
 
 
 def test_weights_from_a_local_checkpoint_reach_every_shard(runs: dict[str, Any]) -> None:
