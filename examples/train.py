@@ -647,14 +647,13 @@ def fused_host_params(optimizers: list[torch.optim.Optimizer]) -> int:
     return sum(len(group["params"]) for opt in optimizers for group in opt.param_groups if group.get("fused"))
 
 
-def adamw(params: list[nn.Parameter], args: argparse.Namespace, host: bool, keep_empty: bool = True) -> Any:
-    """AdamW over ``params``: weight decay on matrices, none on norms and biases; on torch's fused CPU kernel for
-    the host parameters when ``host`` (the config offloads). ``keep_empty``: both groups even when one is empty,
-    as a resumed checkpoint of the one-optimizer run expects."""
+def adamw(params: list[nn.Parameter], args: argparse.Namespace, host: bool) -> torch.optim.Optimizer:
+    """AdamW over ``params``: weight decay on matrices, none on norms and biases (two groups, either may be
+    empty); on torch's fused CPU kernel for the host parameters when ``host`` (the config offloads)."""
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if keep_empty or g["params"]], lr=args.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     if host and any(p.device.type == "cpu" for p in params):
         fl.fast_host_step(optimizer)
     return optimizer
@@ -665,7 +664,7 @@ def make_optimizers(args: argparse.Namespace, model: nn.Module, config: fl.FSDPC
     Made before a resume loads their state: the saved run's were made the same way."""
     host = offloads(config)
     if args.step_in_backward:
-        return fl.step_in_backward(model, lambda params: adamw(params, args, host, keep_empty=False)).optimizers
+        return fl.step_in_backward(model, lambda params: adamw(params, args, host)).optimizers
     return [adamw([p for p in model.parameters() if p.requires_grad], args, host)]
 
 
