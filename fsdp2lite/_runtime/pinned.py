@@ -56,7 +56,7 @@ def host_buffer(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pin: bo
         try:
             return make(shape, dtype=dtype, pin_memory=True)
         except RuntimeError as exc:
-            _warn_once(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size(), exc)
+            _warn_once(torch.Size(shape).numel() * dtype.itemsize, exc)
     return make(shape, dtype=dtype)
 
 
