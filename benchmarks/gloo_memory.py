@@ -13,7 +13,7 @@ own, which no tensor-level meter (MemTracker) sees. Then ``--repeats - 1`` more 
 
 Why: torch's gloo backend has no reduce-scatter algorithm; ``reduce_scatter_tensor`` clones the whole
 input, all-reduces the clone and copies one chunk out. Issuing the all-reduce in place on the flat
-gradient buffer moves the same bytes without the clone (``fsdp2lite/_runtime/collectives.py``).
+gradient buffer moves the same bytes without the clone (``fsdp2lite/_runtime/reduce.py``).
 
 How to run (about 30 seconds on 2 CPU cores, 4 x N x 4 bytes of memory per rank at most):
     .venv/bin/python benchmarks/gloo_memory.py [--mib 200] [--repeats 3] [--out-dir benchmarks/results] [--no-save]

@@ -134,7 +134,7 @@ class FSDPModule(_TorchFSDPModule):
         into the next all-reduce, so accumulating microbatches this way loses nothing."""
         check_bool("requires_all_reduce", requires_all_reduce)
         for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
+            group.set_requires_all_reduce(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the unsharded parameters after backward (False), e.g. across accumulation steps.
@@ -307,14 +307,14 @@ class FSDPModule(_TorchFSDPModule):
         ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
         ``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers (returns a Work or None)."""
         _check_custom_comm("set_custom_all_gather", comm)
-        self._own_group("set_custom_all_gather").custom_all_gather = comm
+        self._own_group("set_custom_all_gather").set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Run this module's reduce-scatter through ``comm``, torch's ``ReduceScatter`` protocol:
         ``comm.allocate(size, dtype=, device=)`` makes the input and output buffers and
         ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces (op is always SUM)."""
         _check_custom_comm("set_custom_reduce_scatter", comm)
-        self._own_group("set_custom_reduce_scatter").custom_reduce_scatter = comm
+        self._own_group("set_custom_reduce_scatter").set_custom_reduce_scatter(comm)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own over the same ranks (True), so it can progress while

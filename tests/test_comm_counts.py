@@ -3,7 +3,7 @@ per group per use, never one per parameter, and never more than torch's own full
 
 A gradient reduction is a reduce-scatter, which on gloo both libraries run as one all-reduce:
 torch's gloo backend turns ``reduce_scatter_tensor`` into clone + all-reduce, fsdp2lite issues the
-all-reduce in place ([Note: gloo reduce-scatter] in fsdp2lite/_runtime/collectives.py). These tests
+all-reduce in place ([Note: gloo reduce-scatter] in fsdp2lite/_runtime/reduce.py). These tests
 use 1D meshes, where no other all-reduce runs, so both count as "reduce"."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def check_not_more_than_torch(rank: int) -> None:
 def check_gloo_reduces_in_place(rank: int) -> None:
     """On gloo the reduction is one in-place all-reduce of the flat buffer; the sharded gradients are a
     copy of this rank's slot, so they do not keep the world-sized flat buffer alive."""
-    from fsdp2lite._runtime.collectives import reduces_in_place
+    from fsdp2lite._runtime.reduce import reduces_in_place
 
     assert reduces_in_place(dist.group.WORLD, torch.device("cpu"))
     assert not reduces_in_place(dist.group.WORLD, torch.device("cuda"))  # CUDA tensors: NCCL's reduce-scatter
@@ -146,7 +146,7 @@ def check_gloo_reduces_in_place(rank: int) -> None:
 
 
 def test_cpu_backend_parsing() -> None:
-    from fsdp2lite._runtime.collectives import cpu_backend
+    from fsdp2lite._runtime.reduce import cpu_backend
 
     assert cpu_backend("gloo") == "gloo"
     assert cpu_backend("cpu:gloo,cuda:nccl") == "gloo"

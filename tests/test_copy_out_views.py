@@ -17,7 +17,7 @@ from _models import gpt_batch, gpt_loss, tiny_gpt
 from _parity import full, train_and_compare
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import group as group_module
+from fsdp2lite._runtime.gather import PlainGather
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _meters import count_ops  # noqa: E402
@@ -93,18 +93,17 @@ def _check_direct(mp: fl.MixedPrecisionPolicy | None, rank: int) -> None:
     for module in (plain.tok_emb, plain.head):  # the same groups, forced onto the copy-out path
         module.set_custom_all_gather(PlainAllGather())
     directs: list[bool] = []
-    original = group_module.direct_output
+    original = PlainGather.issue
 
-    def recording(params, custom):  # noqa: ANN001, ANN202
-        found = original(params, custom)
-        directs.append(found is not None)
-        return found
+    def recording(form, comm):  # noqa: ANN001, ANN202
+        directs.append(form.direct)  # the all-gather writes the parameter's storage: [Note: copy-out by views]
+        return original(form, comm)
 
-    group_module.direct_output = recording
+    PlainGather.issue = recording  # type: ignore[method-assign]
     try:
         ops = count_ops(lambda: gpt_loss(model, gpt_batch(0, rank)).backward())
     finally:
-        group_module.direct_output = original
+        PlainGather.issue = original  # type: ignore[method-assign]
     assert sum(directs) == 2 * 2, directs  # the embedding and the head, in forward and in backward
     assert len(directs) >= 2 + len(model.blocks) + 1
     assert ops["aten::split_with_sizes_copy"] == len(directs) - 4, (ops["aten::split_with_sizes_copy"], directs)

@@ -121,9 +121,11 @@ def test_cpu_offload_on_cuda() -> None:
 def test_delayed_side_streams_keep_parity() -> None:
     """Spin the GPU on the collective streams before each collective: a compute stream that does not
     wait on the right event reads unfinished buffers and the numbers go wrong."""
-    from fsdp2lite._runtime import collectives
+    from fsdp2lite._runtime import gather
+    from fsdp2lite._runtime import reduce as reduce_module
 
-    originals = {name: getattr(collectives, name) for name in ("all_gather_flat", "_reduce_scatter_flat")}
+    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module}
+    originals = {name: getattr(module, name) for name, module in sites.items()}
 
     def delayed(fn):  # type: ignore[no-untyped-def]
         def run(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -138,11 +140,11 @@ def test_delayed_side_streams_keep_parity() -> None:
     model.set_forward_prefetch_depth(2)
     try:
         for name, fn in originals.items():
-            setattr(collectives, name, delayed(fn))
+            setattr(sites[name], name, delayed(fn))
         _train_pair(model, ref)
     finally:
         for name, fn in originals.items():
-            setattr(collectives, name, fn)
+            setattr(sites[name], name, fn)
 
 
 def test_cuda_schedule_uses_side_streams_and_prefetches() -> None:

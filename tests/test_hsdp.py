@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import collectives
+from fsdp2lite._runtime import gather
+from fsdp2lite._runtime import reduce as reduce_module
 
 MESHES = [(2, 2), (4, 1), (1, 4)]
 
@@ -45,9 +46,8 @@ def shard_with(mesh: DeviceMesh, reshard: bool | int | None) -> Callable[[nn.Mod
 def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
     """Wrap the runtime's collective entry points; record (kind, group, numel) per call."""
     calls: list[tuple[str, dist.ProcessGroup, int]] = []
-    originals = {
-        name: getattr(collectives, name) for name in ("all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
-    }
+    modules = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": reduce_module}
+    originals = {name: getattr(module, name) for name, module in modules.items()}
 
     def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def recorder(*args: Any, **kwargs: Any) -> Any:
@@ -56,14 +56,14 @@ def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]
 
         return recorder
 
-    collectives.all_gather_flat = wrap("all_gather", originals["all_gather_flat"])
-    collectives._reduce_scatter_flat = wrap("reduce_scatter", originals["_reduce_scatter_flat"])
-    collectives._all_reduce = wrap("all_reduce", originals["_all_reduce"])
+    gather.all_gather_flat = wrap("all_gather", originals["all_gather_flat"])
+    reduce_module._reduce_scatter_flat = wrap("reduce_scatter", originals["_reduce_scatter_flat"])
+    reduce_module._all_reduce = wrap("all_reduce", originals["_all_reduce"])
     try:
         yield calls
     finally:
         for name, fn in originals.items():
-            setattr(collectives, name, fn)
+            setattr(modules[name], name, fn)
 
 
 def check_placements(rank: int, ws: int) -> None:

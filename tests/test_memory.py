@@ -36,7 +36,7 @@ from _parity import torch_shard
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import group as group_module  # where a group issues its reduce-scatter
+from fsdp2lite._runtime.reduce import ReduceForm  # where a group issues its reduce-scatter
 
 D = 128
 
@@ -184,22 +184,22 @@ def check_cuda_schedule_mixed_precision(x: torch.Tensor, ws: int) -> None:
     a = forward_peak(bf16, x.to(torch.bfloat16)) - nbytes(list(bf16.parameters()))
     ours = sharded_net_cuda_schedule(policy)
     inputs: list[weakref.ref[torch.Tensor]] = []
-    original = group_module.issue_reduce_scatter
+    original = ReduceForm.issue
 
-    def watched(params: Any, grads: list[torch.Tensor], *args: Any) -> Any:
+    def watched(form: ReduceForm, params: Any, grads: list[torch.Tensor], *args: Any) -> Any:
         grad_refs = [weakref.ref(g) for g in grads]
-        result = original(params, grads, *args)
+        result = original(form, params, grads, *args)
         alive = [ref() for ref in inputs if ref() is not None and ref().untyped_storage().size() > 0]  # type: ignore[union-attr]
         assert not alive, f"{len(alive)} earlier reduce-scatter input(s) still held when a new one was issued"
         assert all(ref() is None for ref in grad_refs), "unsharded grads outlived their copy-in"
         inputs.append(weakref.ref(result.reduce_scatter_input))
         return result
 
-    group_module.issue_reduce_scatter = watched  # type: ignore[assignment]
+    ReduceForm.issue = watched  # type: ignore[method-assign]
     try:
         peak = backward_peak(ours, x)
     finally:
-        group_module.issue_reduce_scatter = original
+        ReduceForm.issue = original  # type: ignore[method-assign]
     assert len(inputs) >= 2 * len(ours.blocks), "the watched reduce-scatters never ran"
     limit = 2 * s + 2 * r + 3 * b_param + b_reduce + 2 * a
     assert peak <= limit, f"CUDA schedule, bf16/fp32: backward peak {peak} > budget {limit} (Bp {b_param})"

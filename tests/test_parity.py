@@ -16,8 +16,7 @@ from _parity import train_and_compare
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import collectives
-from fsdp2lite._runtime import group as group_module  # where the reduce path is chosen
+from fsdp2lite._runtime import reduce as reduce_module  # where the reduce form is chosen
 
 RESHARD_MODES = (None, True, False)
 
@@ -138,20 +137,20 @@ def scenario_device_schedule_variants(rank: int, ws: int) -> None:
     """The paths the CPU defaults skip, still exact on gloo: the native reduce-scatter (instead of the
     in-place all-reduce, [Note: gloo reduce-scatter]) and CUDA's schedule (backward prefetch at
     pre-backward, reduce-scatters pipelined)."""
-    original, native = group_module.reduces_in_place, collectives._native_reduce_scatter
+    original, native = reduce_module.reduces_in_place, reduce_module._native_reduce_scatter
     calls: list[int] = []
 
     def counted_native(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return native(*args, **kwargs)
 
-    group_module.reduces_in_place = lambda group, device: False  # type: ignore[assignment]
-    collectives._native_reduce_scatter = counted_native
+    reduce_module.reduces_in_place = lambda group, device: False  # type: ignore[assignment]
+    reduce_module._native_reduce_scatter = counted_native
     try:
         torch.manual_seed(0)
         train_and_compare(UnevenMLP(), shard_blocks(None), mlp_batch, mlp_loss, rank, label="native reduce-scatter")
     finally:
-        group_module.reduces_in_place, collectives._native_reduce_scatter = original, native
+        reduce_module.reduces_in_place, reduce_module._native_reduce_scatter = original, native
     assert calls or ws == 1, "the native reduce-scatter path never ran"  # one rank sends nothing
 
     def cuda_schedule(model: nn.Module) -> None:

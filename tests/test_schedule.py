@@ -20,7 +20,8 @@ from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import train_and_compare
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import collectives
+from fsdp2lite._runtime import gather
+from fsdp2lite._runtime import reduce as reduce_module
 from fsdp2lite.cli import main as cli_main
 
 N_BLOCKS = 3
@@ -182,16 +183,16 @@ class _EventWork:
 
 @contextmanager
 def delayed_collectives(delay_s: float) -> Iterator[None]:
-    names = ("all_gather_flat", "_reduce_scatter_flat", "_all_reduce")
-    originals = {name: getattr(collectives, name) for name in names}
+    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": reduce_module}
+    originals = {name: getattr(module, name) for name, module in sites.items()}
     delayer = DelayedCollectives(delay_s)
     for name, fn in originals.items():
-        setattr(collectives, name, delayer.wrap(fn))
+        setattr(sites[name], name, delayer.wrap(fn))
     try:
         yield
     finally:
         for name, fn in originals.items():
-            setattr(collectives, name, fn)
+            setattr(sites[name], name, fn)
         delayer.close()
 
 

@@ -143,6 +143,14 @@ class SharedComm:
         self.comm = None
 
 
+class Ranks(NamedTuple):
+    """The ranks a collective runs over: the shard group, a post-forward group, the replicas."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int  # this rank's index in ``group``
+
+
 class AllGatherResult(NamedTuple):
     """An all-gather in flight, holding its buffer until the consumer has waited on it."""
 

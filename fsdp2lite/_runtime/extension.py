@@ -10,7 +10,7 @@ The subclass defines two methods, as with torch's ``fully_shard``:
 Per unshard, ``pre`` is called on this rank's padded shard (torch calls it on the unpadded shard and
 requires padded inputs back when the shard is uneven, which a hook with per-row scales cannot give);
 its ``inputs`` (plain tensors, or records of them: [Note: all-gather input records]) join the group's one
-collective as bytes ([Note: byte all-gather] in collectives.py), so a group of NF4 weights and bf16 norms
+collective as bytes ([Note: byte all-gather] in gather.py), so a group of NF4 weights and bf16 norms
 is still one all-gather, and 1-byte dtypes (int8, float8) cross gloo as uint8. The gathered bytes land in
 this parameter's own output buffers, one per input, ``(shard_size * numel,)`` in the input's dtype, made
 once and kept across steps (their storage freed at reshard, given back at unshard). ``post`` then sees

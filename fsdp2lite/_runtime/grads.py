@@ -15,7 +15,7 @@ dtype; torch's fully_shard raises on the mix, pytorch#196996):
     zeros for an unused parameter        param dtype: the same (``set_reduce_scatter_unused_params``)
 
 A group whose gradients are all in the param dtype is copied in as autograd wrote them: the copy-in
-casts them in the same pass ([Note: hot path] in collectives.py). A parameter that got no gradient in
+casts them in the same pass ([Note: hot path] in gather.py). A parameter that got no gradient in
 some microbatch keeps nothing for it, so its sum, when it has one, is in the reduce dtype like the others.
 
 [Note: tensor-parallel gradient reduce]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,37 +17,27 @@ import torch.nn as nn
 
 from ..mesh import MeshInfo
 from ..policies import CommPolicy, reduce_dtype_problem
-from .collectives import (
-    ReduceScatterResult,
-    byte_sources,
-    copy_out_all_gather,
-    direct_output,
-    finish_reduce_scatter,
-    issue_all_gather,
-    issue_reduce_scatter,
-    post_forward_shards,
-    reduces_in_place,
-    wait_all_gather,
-)
-from .comm import AllGatherResult, Comm
+from .comm import Comm, Ranks
+from .gather import GatherForm, PendingUnshard, Regather, choose_gather, one_dtype
 from .grads import to_one_dtype
 from .host_arena import HostArena, pack_host_shards
 from .param import FSDPParam
-from .post_forward import PostForwardGroup, check_post_forward_dims, check_post_forward_size
-from .quantize import block_segments, copy_out_quantized, encode_group
+from .post_forward import check_post_forward_dims, check_post_forward_size
+from .reduce import (
+    DeferredReplicas,
+    NoReplicas,
+    ReduceForm,
+    ReduceScatterResult,
+    ReplicaAllReduce,
+    ReplicaReduceScatter,
+    ReplicaStep,
+    accumulate_sharded_grads,
+    choose_reduce,
+    run_all_reduce_hook,
+)
 from .replicas import ReplicaSync
 from .states import ShardedState, TrainingState
 from .zero import Resident
-
-
-class PendingUnshard(NamedTuple):
-    """An all-gather in flight and the layout its output has."""
-
-    result: AllGatherResult
-    group_size: int  # ranks it gathers from: the shard group, or the post-forward group
-    numels: list[int]  # per parameter, elements (bytes, as_bytes) each rank contributes
-    as_bytes: bool  # gathered as uint8: the parameters gather in several dtypes ([Note: byte all-gather])
-    code_bytes: int = 0  # quantized: the code bytes of each rank's slot ([Note: quantized collectives])
 
 
 class FSDPParamGroup:
@@ -59,7 +49,7 @@ class FSDPParamGroup:
     mesh_info: MeshInfo
     reshard_after_forward_requested: bool | int | None  # the user's value; None = decided by the root
     reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
-    post_forward_group: PostForwardGroup | None  # set when reshard_after_forward is an int k
+    post_forward_group: Ranks | None  # set when reshard_after_forward is an int k
     reshard_after_backward: bool
     requires_gradient_sync: bool
     requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
@@ -72,14 +62,16 @@ class FSDPParamGroup:
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
-    post_forward_buffer: tuple[torch.Tensor, list[int]] | None  # (flat chunks, numels) while resharded to k
+    gather: GatherForm  # how the group all-gathers: [Note: gather forms]
+    regather: Regather | None  # while resharded to the post-forward group: its all-gather for backward
+    post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
     offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
-    _in_place_reduce: bool | None  # [Note: gloo reduce-scatter], decided at the first reduce-scatter
+    reduce: ReduceForm  # how the group reduce-scatters: [Note: reduce forms]
+    replica_step: ReplicaStep  # and then across replicas (2-D meshes)
     _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
-    gather_dtype: torch.dtype | None  # the all-gather's dtype; None: several, gathered as bytes
     reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
     reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
     custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
@@ -103,7 +95,6 @@ class FSDPParamGroup:
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
-        self.gather_dtype = _one_dtype(params)
         self._other_dim_params = tuple(p for p in params if p.shard_dim != 0)
         self._extension_params = tuple(p for p in params if p.extension is not None)
         self.modules = modules
@@ -122,10 +113,9 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
         self.pending_unshard = None
-        self.post_forward_buffer = None
+        self.regather = self.post_forward_kept = None
         self.reduce_scatter_result = None
         self.offload_event = None
-        self._in_place_reduce = None
         self._comm = None
         self.forward_prefetch = None
         self.backward_prefetch = None
@@ -138,6 +128,7 @@ class FSDPParamGroup:
         self.refreshers: tuple[Any, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         self.set_comm_policy(comm_policy or CommPolicy())
+        self.choose_replica_step()
 
     @property
     def comm(self) -> Comm:
@@ -168,7 +159,7 @@ class FSDPParamGroup:
         post_forward_group = None
         if isinstance(value, int) and not isinstance(value, bool) and 1 < value < self.mesh_info.shard_size:
             group, rank = self.mesh_info.post_forward_group(value)
-            post_forward_group = PostForwardGroup(group, value, rank)
+            post_forward_group = Ranks(group, value, rank)
         self.reshard_after_forward_requested = value
         self.reshard_after_forward = (
             value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
@@ -179,26 +170,68 @@ class FSDPParamGroup:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
         a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
         odd = [p.fqn for p in self.params if p.extension is not None or not p.orig_dtype.is_floating_point]
-        if policy.all_gather is not None and (odd or self.gather_dtype is None):
+        if policy.all_gather is not None and (odd or one_dtype(self.params) is None):
             reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
             raise ValueError(
                 f"CommPolicy(all_gather={policy.all_gather!r}) quantizes a group's parameters together, but {reason}; "
                 "give them a group of their own (or keep all_gather=None for this group)"
             )
         self.comm_policy = policy
-        self._staging: torch.Tensor | None = None  # the quantized all-gather's segments, made at its first use
+        self.choose_gather()
+        self.choose_reduce()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """torch's AllGather protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
+        self.custom_all_gather = comm
+        self.choose_gather()
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """torch's ReduceScatter protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
+        self.custom_reduce_scatter = comm
+        self.choose_reduce()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """HSDP: skip (False) the step across replicas; the replica-local sums are kept and added later."""
+        self.requires_all_reduce = requires_all_reduce
+        self.choose_replica_step()
+
+    def choose_reduce(self, in_place: bool | None = None) -> None:
+        """The group's reduce form ([Note: reduce forms]); ``in_place`` overrides the backend's answer (the
+        estimator's simulated CPU ranks run on the fake process group)."""
+        info = self.mesh_info
+        group = self.reduce_scatter_group or info.shard_group
+        ranks = Ranks(group, info.shard_size, info.shard_rank)
+        self.reduce = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
+
+    def choose_replica_step(self) -> None:
+        """What follows the reduce-scatter on a 2-D mesh ([Note: reduce forms])."""
+        replicate_group = self.mesh_info.replicate_group
+        if replicate_group is None:
+            self.replica_step = NoReplicas()
+        elif not self.requires_all_reduce:
+            self.replica_step = DeferredReplicas()
+        elif self.replicas is not None:
+            self.replica_step = ReplicaReduceScatter(self.replicas)
+        else:
+            self.replica_step = ReplicaAllReduce(replicate_group)
+
+    def choose_gather(self) -> None:
+        """The group's gather form, from what it depends on now ([Note: gather forms])."""
+        info = self.mesh_info
+        ranks = Ranks(info.shard_group, info.shard_size, info.shard_rank)
+        self.gather = choose_gather(self.params, ranks, self.comm_policy, self.custom_all_gather)
 
     def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
         """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
         rank set between groups), or None to use the shard group."""
         if not enable:
             self.reduce_scatter_group = None
-            return
-        ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
-        if ranks not in created:
-            created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-        self.reduce_scatter_group = created[ranks]
-        self._in_place_reduce = None  # decided again for the new group
+        else:
+            ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            self.reduce_scatter_group = created[ranks]
+        self.choose_reduce()  # decided again for the new group
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
@@ -208,62 +241,24 @@ class FSDPParamGroup:
         self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
         for sync in self.refreshers if any(renewed) else ():
             sync.invalidate()  # the shards the all-gather reads may hold old values
-        self.gather_dtype = _one_dtype(self.params)  # ``module.to(dtype)`` may have changed them
+        self.choose_gather()  # ``module.to(dtype)`` may have changed the dtypes, or renewed the shards
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
         self.comm.host_steps.wait_for(p.sharded_param for p in self.params)  # a step in flight writes the shards
-        for sync in self.refreshers if self.sharded_state is ShardedState.SHARDED else ():
-            sync.refresh()  # what the optimizer stepped, back into the shards the all-gather reads
-        if self.resident is not None and self.resident.reuse():
-            return
-        if self.sharded_state is ShardedState.SHARDED:
-            self.sync_extensions()
-        dtype = self.gather_dtype
-        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self.post_forward_buffer is not None:
-            sub = self.post_forward_group
-            if sub is None:
-                raise RuntimeError(f"{self}: resharded to a post-forward group that no longer exists")
-            buffer, numels = self.post_forward_buffer
-            as_bytes = dtype is None  # kept whole all-gather slots: [Note: post-forward reshard]
-            for param in self._extension_params:
-                param.extension.reallocate()  # type: ignore[union-attr]  # its hook is not called again
-            wire = torch.uint8 if dtype is None else dtype
-            result = issue_all_gather([buffer], [buffer.numel()], sub.group, sub.size, sub.rank, wire, self.comm)
-            size = self.mesh_info.shard_size if as_bytes else sub.size  # slots of the full group, or k chunks
-            self.pending_unshard = PendingUnshard(result, size, numels, as_bytes=as_bytes)
-        else:
-            info = self.mesh_info
-            if self.comm_policy.all_gather is not None:
-                kind, block = self.comm_policy.all_gather, self.comm_policy.block_size
-                if self._staging is None:  # zeroed once: the block padding between segments stays zero
-                    staging_numel = sum(block_segments(self.params, block))
-                    dtype, device = self.params[0].orig_dtype, self.comm.device
-                    self._staging = torch.zeros(staging_numel, dtype=dtype, device=device)
-                codes, scales = encode_group(self.params, self._staging, self.comm, kind, block)
-                result = issue_all_gather(
-                    [codes, scales], [codes.numel(), scales.numel()], info.shard_group, info.shard_size,
-                    info.shard_rank, torch.uint8, self.comm,
-                )  # fmt: skip
-                code_bytes, numels = codes.numel(), [p.padded_numel for p in self.params]
-                self.pending_unshard = PendingUnshard(result, info.shard_size, numels, False, code_bytes)
-                self.trace("all_gather_issue")
+        form: GatherForm | None = self.regather  # set exactly while resharded to the post-forward group
+        if form is None:
+            for sync in self.refreshers:
+                sync.refresh()  # what the optimizer stepped, back into the shards the all-gather reads
+            if self.resident is not None and self.resident.fresh():
+                self._to_unsharded()  # the kept storage holds the current shards: [Note: resident groups]
+                self.trace("all_gather_skipped")
                 return
-            as_bytes = dtype is None
-            if not as_bytes:
-                sources = [p.flat_shard for p in self.params]  # views made once: [Note: hot path]
-                numels = [p.padded_numel for p in self.params]
-            else:  # offloaded: device copy + pre hook on the copy-in stream, [Note: offloaded hooked parameters]
-                with self.comm.on("all_gather_copy_in") if self.params[0].offload_to_cpu else nullcontext():
-                    sources, numels = byte_sources(self.params)
-            result = issue_all_gather(
-                sources, numels, info.shard_group, info.shard_size, info.shard_rank,
-                torch.uint8 if dtype is None else dtype, self.comm,
-                self.custom_all_gather, None if as_bytes else direct_output(self.params, self.custom_all_gather),
-            )  # fmt: skip
-            self.pending_unshard = PendingUnshard(result, info.shard_size, numels, as_bytes=as_bytes)
+            self.sync_extensions()
+            form = self.gather
+        self.pending_unshard = PendingUnshard(form.issue(self.comm), form)
         self.trace("all_gather_issue")
 
     def sync_extensions(self) -> None:
@@ -272,7 +267,7 @@ class FSDPParamGroup:
         quantized = self.comm_policy.all_gather is not None
         if any([param.sync_extension(quantized) for param in self.params]):  # a list: every parameter looks
             self._extension_params = tuple(p for p in self.params if p.extension is not None)
-            self.gather_dtype = _one_dtype(self.params)
+            self.choose_gather()
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""
@@ -281,44 +276,31 @@ class FSDPParamGroup:
             return
         self.pending_unshard = None
         with self.trace_span("all_gather_wait"):
-            output = wait_all_gather(pending.result, self.comm)
-        direct = False  # the output is the parameter itself: [Note: copy-out by views]
-        if pending.code_bytes:  # decode every rank's slot, one pass: [Note: quantized collectives]
-            policy = self.comm_policy
-            kind = policy.all_gather or "int8"
-            copy_out_quantized(output, self.params, pending.group_size, pending.code_bytes, kind, policy.block_size)
-        else:
-            direct = copy_out_all_gather(output, self.params, pending.group_size, pending.numels, pending.as_bytes)
+            self.comm.wait(pending.result.work, pending.result.event)  # CPU: written; CUDA: compute orders after
+        output = pending.result.all_gather_output
+        direct = pending.form.copy_out(output)  # the output is the parameter itself: [Note: copy-out by views]
         for param in self._other_dim_params:
             param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
         for param in self._extension_params:
             param.finish_extension()  # the subclass rebuilds its unsharded tensor: [Note: all-gather extension]
-        self.post_forward_buffer = None  # consumed: [Note: buffer lifetime]
-        if pending.as_bytes and self._reshards_to_post_forward_group():
-            self.post_forward_buffer = (self._post_forward_slots(output, pending.group_size), pending.numels)
+        kept = None
+        if self.post_forward_group is not None and self._reshards_after_this_forward():
+            kept = pending.form.kept_slots(output, self.post_forward_group)  # a byte group's slots
         if not direct:
             self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
-        for param in self.params:
-            param.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
-        if self.resident is not None:
-            self.resident.gathered()
+        self._to_unsharded(kept)
 
     def reshard(self, free: bool = False) -> None:
         """Free the unsharded parameters (waiting first for an all-gather still in flight); a resident group
         keeps their storage unless ``free`` ([Note: resident groups])."""
         self.wait_for_unshard()
-        self.post_forward_buffer = None
-        keep = self.resident is not None and not free
         for sync in self.refreshers if free else ():
             sync.invalidate()  # an explicit reshard: rebuild the shards anew too
         if self.resident is not None and free:
             self.resident.invalidate()
         elif self.sharded_state is ShardedState.SHARDED:
             return  # a resident group's kept storage is freed only when asked (free)
-        for param in self.params:
-            param.to_sharded(keep)
-        self.sharded_state = ShardedState.SHARDED
+        self._to_sharded(keep=self.resident is not None and not free)
         self.trace("reshard")
 
     def reshard_post_forward(self) -> None:
@@ -327,37 +309,57 @@ class FSDPParamGroup:
         if sub is None or self.sharded_state is not ShardedState.UNSHARDED:
             self.reshard()
             return
-        if self.gather_dtype is None:  # bytes: the slots kept at the all-gather's copy-out
-            buffer = self.post_forward_buffer
-            if buffer is None:
-                self.reshard()
-                return
-        else:
-            buffer = post_forward_shards(self.params, sub.size, sub.rank)
-        for param in self.params:
-            param.to_sharded()
-        self.post_forward_buffer = buffer
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        regather = self.post_forward_kept or self.gather.chunks(sub)  # [Note: post-forward reshard]
+        if regather is None:
+            self.reshard()
+            return
+        self._to_sharded_post_forward(regather)
         self.trace("reshard")
 
-    def _reshards_to_post_forward_group(self) -> bool:
+    def _reshards_after_this_forward(self) -> bool:
         """A forward with autograd on will shrink this group to its post-forward group afterwards."""
-        return (
-            self.post_forward_group is not None
-            and self.reshard_after_forward
-            and self.training_state is TrainingState.FORWARD
-            and torch.is_grad_enabled()
-        )
+        return self.reshard_after_forward and self.training_state is TrainingState.FORWARD and torch.is_grad_enabled()
 
-    def _post_forward_slots(self, output: torch.Tensor, group_size: int) -> torch.Tensor:
-        """This rank's share of a byte all-gather's rank-major slots for the post-forward group: slots
-        ``[s * m, (s + 1) * m)`` with s its rank there and m = shard size / k, so the k-rank regather
-        rebuilds the whole output, hooks' bytes and all ([Note: post-forward reshard])."""
-        sub = self.post_forward_group
-        if sub is None:
-            raise RuntimeError(f"{self}: post-forward slots without a post-forward group")
-        per = group_size // sub.size
-        return output.view(group_size, -1)[sub.rank * per : (sub.rank + 1) * per].reshape(-1).clone()
+    # ---- the sharded-state machine: the only writers of sharded_state ------------------------
+    def _to_unsharded(self, kept: Regather | None = None) -> None:
+        """SHARDED or SHARDED_POST_FORWARD -> UNSHARDED: the filled unsharded parameters on the modules
+        (``kept``: what a byte group keeps for its post-forward regather)."""
+        self._leave(ShardedState.UNSHARDED, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
+        for param in self.params:
+            param.to_unsharded()
+        self.regather = None  # consumed: [Note: buffer lifetime]
+        self.post_forward_kept = kept
+        self.sharded_state = ShardedState.UNSHARDED
+        if self.resident is not None:
+            self.resident.gathered()
+
+    def _to_sharded(self, keep: bool) -> None:
+        """UNSHARDED or SHARDED_POST_FORWARD -> SHARDED: the DTensors on the modules, the unsharded storage
+        freed (``keep``: a resident group's stays); or SHARDED -> SHARDED freeing a resident group's storage."""
+        allowed: tuple[ShardedState, ...] = (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD)
+        if self.resident is not None and not keep:
+            allowed = (*allowed, ShardedState.SHARDED)
+        self._leave(ShardedState.SHARDED, *allowed)
+        for param in self.params:
+            param.to_sharded(keep)
+        self.regather = self.post_forward_kept = None
+        self.sharded_state = ShardedState.SHARDED
+
+    def _to_sharded_post_forward(self, regather: Regather) -> None:
+        """UNSHARDED -> SHARDED_POST_FORWARD: only this rank's chunks over the post-forward group kept."""
+        self._leave(ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED)
+        for param in self.params:
+            param.to_sharded()
+        self.regather, self.post_forward_kept = regather, None
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _leave(self, target: ShardedState, *allowed: ShardedState) -> None:
+        """Check that the group may go to ``target`` from where it is (an internal invariant)."""
+        if self.sharded_state not in allowed:
+            raise RuntimeError(
+                f"{self}: cannot go from {self.sharded_state.name} to {target.name} "
+                f"(only from {', '.join(state.name for state in allowed)})"
+            )
 
     # ---- phases ---------------------------------------------------------------------------
     def pre_forward(self) -> None:
@@ -393,16 +395,8 @@ class FSDPParamGroup:
         params, grads = self._take_unsharded_grads()  # the list holds the only references
         if not params:
             return
-        info = self.mesh_info
-        group = self.reduce_scatter_group or info.shard_group
-        if self._in_place_reduce is None:
-            self._in_place_reduce = reduces_in_place(group, self.comm.device)
         dtype = params[0].reduce_dtype  # one per group: fully_shard, lazy init and _take_unsharded_grads check
-        self.reduce_scatter_result = issue_reduce_scatter(
-            tuple(params), grads, group, info.shard_rank, info.shard_size, dtype,
-            self._in_place_reduce and self.custom_reduce_scatter is None, self.comm, self.custom_reduce_scatter,
-            self.comm_policy.reduce_scatter, self.comm_policy.block_size,
-        )  # fmt: skip
+        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, dtype, self.comm)
         self.trace("reduce_scatter_issue")
 
     def _take_unsharded_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
@@ -427,18 +421,21 @@ class FSDPParamGroup:
         return params, grads
 
     def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, all-reduce for HSDP, accumulate into grads."""
+        """Wait for the reduce-scatter in flight, if any, reduce across replicas, accumulate into grads."""
         result = self.reduce_scatter_result
         if result is None:
             return
         self.reduce_scatter_result = None  # frees the flat buffers once applied: [Note: buffer lifetime]
-        info = self.mesh_info
-        factor = self.gradient_divide_factor or float(info.data_parallel_size)
         with self.trace_span("reduce_scatter_wait"):
-            event = finish_reduce_scatter(
-                result, factor, info.replicate_group, self.requires_all_reduce, self.comm,
-                self.all_reduce_hook, self.all_reduce_hook_stream, self.replicas, self.name or "<root>",
-            )  # fmt: skip
+            output = self.replica_step.reduce(result.form.finish(result, self.comm), result.params, self.comm)
+            if output is None:
+                return  # kept for a later step across replicas
+            factor = self.gradient_divide_factor or float(self.mesh_info.data_parallel_size)
+            if factor != 1.0:
+                output.div_(factor)
+            if self.all_reduce_hook is not None:  # sees the gradient as it will be stored (averaged), as torch's
+                run_all_reduce_hook(self.all_reduce_hook, self.all_reduce_hook_stream, output)
+            event = accumulate_sharded_grads(output, result.params, self.comm, self.name or "<root>")
         if event is not None:
             self.offload_event = event
 
@@ -482,11 +479,3 @@ class FSDPParamGroup:
         if recorder is None:
             return nullcontext()
         return recorder.span(event, self.name or "<root>", self.training_state.name)
-
-
-def _one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
-    """The dtype every parameter all-gathers in, or None when they differ ([Note: byte all-gather])."""
-    if any(param.extension is not None for param in params):
-        return None  # a hook's inputs are bytes of its own choosing
-    dtypes = {param.param_dtype for param in params}
-    return dtypes.pop() if len(dtypes) == 1 else None

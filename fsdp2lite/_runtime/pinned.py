@@ -10,7 +10,7 @@ error, the first time it happens in the process.
 
 [Note: host gradient buffers]
 Under CPU offload a group's reduced gradients are copied to the host in one piece, and its sharded gradients
-are views of that host buffer (``accumulate_sharded_grads`` in collectives.py). The buffers come from one pool
+are views of that host buffer (``accumulate_sharded_grads`` in reduce.py). The buffers come from one pool
 per root, ``Comm.host_grads``, made like the groups' shard buffers (``exact_host_bytes``: registered with the
 driver at exactly their bytes, [Note: one host buffer per group] in host_arena.py). A buffer is free when
 nothing but the pool holds its storage (its use count is the one it had when made): every gradient that

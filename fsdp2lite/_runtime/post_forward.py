@@ -16,19 +16,7 @@ the forward's all-gather (torch's ``fully_shard`` refuses an int for hooked para
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch.distributed as dist
-
 from .param import FSDPParam
-
-
-class PostForwardGroup(NamedTuple):
-    """The k-rank group a group reshards to after forward ([Note: post-forward reshard])."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
 
 
 def check_post_forward_size(value: int, shard_size: int) -> None:

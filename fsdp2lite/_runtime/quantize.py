@@ -117,7 +117,7 @@ def encode_group(
     """This rank's slot of the group's quantized all-gather ([Note: quantized collectives]), as bytes: the
     flat shards copied into their block-aligned segments of ``staging`` (one foreach copy; the padding
     stays zero) and encoded in one pass, on the copy-in stream. Returns [codes, scales]; the caller
-    all-gathers them as one uint8 slot (``collectives.issue_all_gather``)."""
+    all-gathers them as one uint8 slot (``gather.issue_all_gather``)."""
     with comm.on("all_gather_copy_in"):
         segments = torch.split(staging, block_segments(params, block))
         targets = [segment[: p.padded_numel] for segment, p in zip(segments, params)]
@@ -127,7 +127,7 @@ def encode_group(
 
 
 def copy_out_quantized(
-    output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, code_bytes: int, kind: str, block: int
+    output: torch.Tensor, params: tuple[FSDPParam, ...], group_size: int, code_bytes: int, *, kind: str, block: int
 ) -> None:
     """Every rank's slot decoded in one pass into (group_size, staging numel) in param_dtype, then one
     ``split_with_sizes_copy`` into the parameters (each segment's block padding into a scratch buffer)."""

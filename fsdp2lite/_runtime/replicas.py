@@ -40,11 +40,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .collectives import _reduce_scatter_flat, reduces_in_place
 from .comm import all_gather_flat
 from .extension import contiguous_stride
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
+from .reduce import _reduce_scatter_flat, reduces_in_place
 from .zero import ShardWatch, watch_optimizer_steps
 
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
@@ -197,4 +197,5 @@ def make_replica_sharded(group: FSDPParamGroup) -> None:
     """Turn an HSDP ``group`` of ``ReplicaShardedParam`` into an HFSDP one ([Note: replica-sharded groups])."""
     group.replicas = ReplicaSync(group)
     group.refreshers = (*group.refreshers, group.replicas)
+    group.choose_replica_step()
     watch_optimizer_steps()  # [Note: fused steps bump no version]

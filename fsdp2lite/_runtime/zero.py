@@ -29,8 +29,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .states import ShardedState
-
 FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
 
 
@@ -79,18 +77,12 @@ class Resident:
         """The storage no longer holds the shards' values (freed, or the sharded parameters were reset)."""
         self.versions = None
 
-    def reuse(self) -> bool:
-        """Register the kept unsharded parameters if they hold the current shards; False: gather."""
-        group = self.group
-        if group.sharded_state is not ShardedState.SHARDED or self.versions is None:
+    def fresh(self) -> bool:
+        """Whether the kept unsharded storage holds the current shards (the group then registers it and skips
+        its all-gather); False: gather."""
+        if self.versions is None or self.versions != self._current():
             return False
-        if self.versions != self._current():
-            return False
-        for param in group.params:
-            param.to_unsharded()
-        group.sharded_state = ShardedState.UNSHARDED
         self.skipped += 1
-        group.trace("all_gather_skipped")
         return True
 
 

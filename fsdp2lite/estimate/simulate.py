@@ -157,7 +157,7 @@ def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) ->
             getattr(model, setter)(getattr(defaults, key))
     for module in model.modules():
         if isinstance(module, FSDPModule) and module._fsdp_state.group is not None:
-            module._fsdp_state.group._in_place_reduce = device == "cpu"
+            module._fsdp_state.group.choose_reduce(in_place=device == "cpu")
 
 
 def _phases(

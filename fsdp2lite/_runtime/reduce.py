@@ -1,0 +1,390 @@
+"""A group's reduce-scatter: copy-in, the collective, the replica step, and the sharded gradients.
+
+(The all-gather, its forms and its notes are in ``gather.py``.)
+Reduce-scatter (one per group per backward), the all-gather's layout in reverse, averaged:
+
+    rank0 grads a=[1,2,3] b=[4,5] -> reduce_scatter_input [1 2 4 | 3 0 5]
+    rank1 grads a=[3,4,5] b=[6,7] -> reduce_scatter_input [3 4 6 | 5 0 7]
+    reduce-scatter(sum) / 2       -> rank0 [2 3 5] (a0 a1 b0), rank1 [4 0 6] (a2 pad b1)
+
+[Note: buffer lifetime]
+Each flat buffer is owned by its result record (``AllGatherResult``/``ReduceScatterResult``), and the
+record is dropped only after its work has been waited on and its output consumed; dropping the record
+is what frees the buffers. Nothing relies on the allocator seeing a later use (no ``record_stream``):
+see [Note: CUDA buffer lifetime] for why that is safe with side streams.
+The all-gather runs in place: its input is this rank's slot of its output, so an unshard allocates the
+group's bytes once for the collective and once for the unsharded parameters (copy-out), 2x the group's
+bytes at most. A separate input buffer would add 1/shard_size of that, and its release would depend on
+when the backend's worker thread lets go of the finished work.
+The reduce-scatter's copy-in runs on the compute stream, where autograd wrote the gradients, so each
+unsharded gradient is freed the moment the one copy-in op has read it (on every device); the flat
+input is then held until the reduce-scatter is waited on, and that wait comes before the next group
+allocates its own (``RootContext.finish_pending_reduce_scatter``): one reduce-scatter input in flight.
+
+On the hot path ([Note: hot path] in gather.py) the reduce-scatter copy-in is one ``_chunk_cat`` (it pads each
+gradient to whole chunks, exactly the padded-shard layout), and the sharded gradients are ``as_strided`` views
+of the reduced output wrapped in DTensors with a spec built at ``fully_shard`` time (``sharded_spec``).
+
+[Note: reduce forms]
+Like the all-gather ([Note: gather forms] in gather.py) a group's reduction is decided once: a ``ReduceForm``
+for the shard group, chosen by ``choose_reduce`` at construction and again by ``set_comm_policy``,
+``set_custom_reduce_scatter`` and ``set_separate_reduce_scatter_group``, then a ``ReplicaStep`` for a 2-D mesh,
+chosen by ``set_requires_all_reduce`` and HFSDP:
+
+    NativeReduceScatter  the backend's reduce-scatter (NCCL, the fake process group), or the user's
+    InPlaceReduce        gloo, and one rank: an all-reduce in place ([Note: gloo reduce-scatter])
+    AllToAllReduce       CommPolicy(reduce_scatter="all_to_all"|"int8"): rows exchanged, summed on arrival
+    NoReplicas | ReplicaAllReduce (HSDP) | ReplicaReduceScatter (HFSDP) | DeferredReplicas (all-reduce off)
+
+Every form shares the copy-in (``ReduceForm.issue``); the result carries the form that finishes it, so the
+group's post-backward and its finish call them without asking which they are.
+
+[Note: gloo reduce-scatter]
+gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter_tensor`` as a clone of
+the whole input, an all-reduce of the clone, and a copy of this rank's chunk out of it when waited on;
+the clone lives as long as the Work. On a gloo group fsdp2lite issues that all-reduce itself, in place
+on ``reduce_scatter_input``, and takes this rank's slot of it as the output (cloned once waited, so the
+flat buffer can go). The same example as above:
+
+    rank0 reduce_scatter_input [1 2 4 | 3 0 5], rank1 [3 4 6 | 5 0 7]
+    all-reduce(sum), in place -> both [4 6 10 | 8 0 12]
+    rank0 keeps slot 0 [4 6 10], rank1 slot 1 [8 0 12]; / 2 -> [2 3 5], [4 0 6]
+
+The bytes on the wire are the same; the clone is gone: a group's reduction holds 1x its unsharded
+bytes instead of 2x, plus its sharded output (benchmarks/gloo_memory.py measures both collectives).
+One rank (any backend) reduces in place too, sending nothing, and there the slot is the whole input:
+it is kept as the sharded gradients' storage, not cloned, so the reduction holds the group's gradient
+bytes once (a clone held them twice for a moment, 2.6 MB above torch's fully_shard at a 4-block fp32
+GPT's backward peak; now below it).
+On every other backend (NCCL, the fake process group) the reduce-scatter is a native one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm, Ranks
+from .host_steps import run_post_accumulate_grad_hooks
+from .param import FSDPParam, make_dtensor
+from .quantize import exchange_rows, sum_received
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_all_reduce = dist.all_reduce
+
+
+@torch.library.custom_op("fsdp2lite::chunk_cat", mutates_args=("out",))
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """``torch._chunk_cat`` along dim 0 into ``out``, as an op of our own so that it has a fake kernel:
+    under ``FakeTensorMode`` (simulated ranks, memory planning) aten's ``_chunk_cat`` has none and is
+    decomposed into a few ops per gradient; this one checks nothing and writes nothing, like any fake
+    kernel of an out= op. On real tensors it is the one aten kernel."""
+    torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
+
+
+@chunk_cat.register_fake
+def _chunk_cat_fake(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    return None
+
+
+def reduces_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """True when ``group`` reduces CPU tensors with gloo: [Note: gloo reduce-scatter]."""
+    if device.type != "cpu":
+        return False  # CUDA tensors go through NCCL's native reduce-scatter and the stream schedule
+    return cpu_backend(str(dist.get_backend(group))) == "gloo"
+
+
+def cpu_backend(backend: str) -> str:
+    """The backend a process group's backend string uses for CPU tensors: "gloo" -> "gloo",
+    "cpu:gloo,cuda:nccl" -> "gloo", "nccl" -> "nccl" (it has no CPU backend of its own)."""
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu"):
+            return name
+    return backend
+
+
+def _reduce_scatter_flat(
+    reduce_scatter_output: torch.Tensor,
+    reduce_scatter_input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    in_place: bool,
+    async_op: bool,
+) -> dist.Work | None:
+    """One reduce-scatter(sum): ``reduce_scatter_input`` (shard_size * n,) into ``reduce_scatter_output`` (n,).
+
+    ``in_place`` (gloo): the output is this rank's slot of the input and the input is all-reduced in
+    place ([Note: gloo reduce-scatter])."""
+    if in_place:
+        return dist.all_reduce(reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _native_reduce_scatter(
+        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+class ReduceScatterResult(NamedTuple):
+    """A reduce-scatter in flight, with the parameters its output slots belong to and the form that finishes it."""
+
+    reduce_scatter_output: torch.Tensor  # (group_numel,): a buffer, this rank's slot of the input, or received rows
+    reduce_scatter_input: torch.Tensor  # (shard_size * group_numel,), or what an all-to-all sent
+    params: tuple[FSDPParam, ...]
+    work: dist.Work | None
+    event: torch.cuda.Event | None
+    form: ReduceForm
+
+
+class ReduceForm:
+    """How a group reduce-scatters ([Note: reduce forms]): the copy-in is every form's, the collective and
+    what finishing it takes are each form's own."""
+
+    def __init__(self, ranks: Ranks, custom: Any = None) -> None:
+        self.ranks = ranks
+        self.allocate = custom.allocate if custom is not None else torch.empty  # set_custom_reduce_scatter
+
+    def issue(
+        self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], dtype: torch.dtype, comm: Comm
+    ) -> ReduceScatterResult:
+        """Lay the unsharded grads out rank-major in one flat buffer (``dtype``) and start the collective.
+
+        Takes the caller's list and empties it once the copy-in has read the grads, so they are freed
+        then, not when the reduce-scatter is waited on ([Note: buffer lifetime]).
+        """
+        group_numel = sum(p.padded_numel for p in params)
+        size = self.ranks.size
+        # On the compute stream, where the grads were written: reading them needs no event, and the
+        # buffer is only released after the compute stream has waited on the reduce-scatter.
+        reduce_scatter_input = self.allocate((size * group_numel,), dtype=dtype, device=comm.device)
+        rank_major = reduce_scatter_input.view(size, group_numel)
+        # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
+        chunk_cat(grads, size, rank_major)
+        grads.clear()  # the last references: the grads are freed now
+        with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
+            output, sent, work = self.start(rank_major, comm)
+        return ReduceScatterResult(output, sent, params, work, comm.record("reduce_scatter"), self)
+
+    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        """The collective over ``rank_major`` (shard_size, group_numel); returns (output, what it sends, held
+        until the finish, work)."""
+        raise NotImplementedError
+
+    def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
+        """Wait; this rank's summed ``(group_numel,)`` slot, the flat input released."""
+        comm.wait(result.work, result.event)  # CPU: the output is written; CUDA: compute orders after it
+        comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
+        return result.reduce_scatter_output
+
+
+class NativeReduceScatter(ReduceForm):
+    """The backend's reduce-scatter (NCCL, the fake process group), or the user's (``custom``)."""
+
+    def __init__(self, ranks: Ranks, custom: Any = None) -> None:
+        super().__init__(ranks, custom)
+        self.custom = custom
+
+    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        reduce_scatter_input = rank_major.view(-1)
+        output = self.allocate((rank_major.shape[1],), dtype=rank_major.dtype, device=comm.device)
+        if self.custom is not None:
+            work = self.custom(
+                output_tensor=output,
+                input_tensor=reduce_scatter_input,
+                group=self.ranks.group,
+                op=dist.ReduceOp.SUM,
+                async_op=comm.async_work,
+            )
+            return output, reduce_scatter_input, work
+        work = _reduce_scatter_flat(
+            output, reduce_scatter_input, group=self.ranks.group, in_place=False, async_op=comm.async_work
+        )
+        comm.count("reduce_scatter", reduce_scatter_input.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        return output, reduce_scatter_input, work
+
+
+class InPlaceReduce(ReduceForm):
+    """gloo, and one rank (any backend): an all-reduce in place, this rank's slot kept ([Note: gloo
+    reduce-scatter]); one rank sends nothing and keeps the whole input as the gradients' storage."""
+
+    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        output, flat = rank_major[self.ranks.rank], rank_major.view(-1)  # (group_numel,) view, (size * numel,)
+        if self.ranks.size == 1:
+            return output, flat, None  # one rank sends nothing, as torch's
+        work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=True, async_op=comm.async_work)
+        comm.count("all_reduce", 2 * flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        return output, flat, work
+
+    def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
+        comm.wait(result.work, result.event)
+        if self.ranks.size == 1:
+            return result.reduce_scatter_output  # the whole input, kept as the gradients' storage
+        output = result.reduce_scatter_output.clone()  # (group_numel,), off the flat input
+        comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
+        return output
+
+
+class AllToAllReduce(ReduceForm):
+    """``CommPolicy(reduce_scatter="all_to_all"|"int8")``: row j of the input sent to rank j (int8: encoded),
+    the rows received summed at the finish ([Note: quantized collectives])."""
+
+    def __init__(self, ranks: Ranks, mode: str, block: int) -> None:
+        super().__init__(ranks)
+        self.mode, self.block = mode, block
+
+    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        send, received, work = exchange_rows(rank_major, self.mode, self.block, self.ranks.group, comm.async_work)
+        comm.count("all_to_all", send.nbytes * (self.ranks.size - 1) // self.ranks.size)  # every row but its own
+        return received, send, work
+
+    def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
+        comm.wait(result.work, result.event)
+        group_numel = sum(p.padded_numel for p in result.params)
+        reduce_dtype = result.params[0].reduce_dtype
+        output = sum_received(result.reduce_scatter_output, self.mode, group_numel, self.block, reduce_dtype)
+        comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
+        return output
+
+
+def choose_reduce(ranks: Ranks, device: torch.device, policy: Any, custom: Any, in_place: bool | None) -> ReduceForm:
+    """The reduce form of a group over ``ranks`` on ``device``: the user's reduce-scatter (``custom``), CommPolicy
+    ``policy``'s all-to-all, in place (gloo, one rank; ``in_place`` overrides the backend's answer), or the
+    backend's reduce-scatter ([Note: reduce forms])."""
+    if custom is not None:
+        return NativeReduceScatter(ranks, custom)
+    if policy.reduce_scatter is not None and ranks.size > 1:
+        return AllToAllReduce(ranks, policy.reduce_scatter, policy.block_size)
+    if in_place is None:
+        in_place = reduces_in_place(ranks.group, device)
+    if in_place or ranks.size == 1:
+        return InPlaceReduce(ranks)
+    return NativeReduceScatter(ranks)
+
+
+class ReplicaStep(Protocol):
+    """What follows the shard group's reduction across the replicas of a 2-D mesh ([Note: reduce forms])."""
+
+    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+        """``output`` reduced across the replicas (None: kept on the parameters for a later step)."""
+        ...
+
+
+class NoReplicas:
+    """A 1-D mesh: the shard group's sums are the whole sums."""
+
+    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+        return output
+
+
+class ReplicaAllReduce:
+    """HSDP: kept replica-local sums folded in, then one all-reduce (sum) across the replicas.
+
+    Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over its
+    replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+
+    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+        with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
+            folded = [param.add_partial_reduced_grad(slot) for param, slot in _slots(output, params)]
+            work = _all_reduce(output, op=dist.ReduceOp.SUM, group=self.group, async_op=comm.async_work)
+            comm.count("replica_all_reduce", 2 * output.nbytes * (self.replicas - 1) // self.replicas)
+        comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
+        del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
+        return output
+
+
+class ReplicaReduceScatter:
+    """HFSDP: kept replica-local sums folded in, then a reduce-scatter across the replicas into each rank's
+    pieces ([Note: replica-sharded groups])."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas  # the group's ReplicaSync
+
+    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+        for param, slot in _slots(output, params):
+            param.add_partial_reduced_grad(slot)
+        return self.replicas.reduce_scatter(output, params)
+
+
+class DeferredReplicas:
+    """HSDP or HFSDP with ``set_requires_all_reduce(False)``: the replica-local sums are kept on the
+    parameters (``partial_reduced_grad``) and added in by the next step across replicas; nothing is lost."""
+
+    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+        for param, slot in _slots(output, params):
+            param.keep_partial_reduced_grad(slot)
+        return None
+
+
+def run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None, output: torch.Tensor
+) -> None:
+    """The user's hook on the group's reduced flat gradient (averaged over the data-parallel ranks, or
+    divided by the set factor), on ``stream`` if one was given (CUDA), ordered both ways with the compute
+    stream."""
+    if stream is None:
+        hook(output)
+        return
+    current = torch.cuda.current_stream(output.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(output)
+    current.wait_stream(stream)
+
+
+def accumulate_sharded_grads(
+    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, group: str = "<root>"
+) -> torch.cuda.Event | None:
+    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
+    ``group``: its name in traces), then run their post-accumulate-grad hooks.
+
+    Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
+    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
+    ``comm``'s pool, [Note: host gradient buffers] in pinned.py; the returned event marks its end). A new
+    gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
+    ``zero_grad`` in between) gets the new one added.
+    """
+    comm.host_steps.wait_for(p.sharded_param for p in params)  # [Note: host steps off backward's thread]
+    first = params[0]
+    uniform = all(p.orig_dtype == first.orig_dtype for p in params)
+    flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
+    offload_event = None
+    if first.grads_on_host and flat.device.type != "cpu":
+        host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
+        # async only when nothing below reads the host copy at once: adding into kept gradients and casting
+        # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
+        reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
+        flat = host.copy_(flat, non_blocking=host.is_pinned() and not reads_now)
+        if host.is_pinned() and not reads_now:
+            offload_event = torch.cuda.Event()
+            offload_event.record()  # after the copy on the compute stream: waited at the end of backward
+    existing: list[torch.Tensor] = []
+    new: list[torch.Tensor] = []
+    offset = flat.storage_offset()
+    for param in params:
+        local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
+        offset += param.reduced_numel
+        if not uniform:
+            local = local.to(param.orig_dtype)
+        current = param.sharded_param.grad
+        if current is None:
+            param.sharded_param.grad = make_dtensor(local, param.sharded_spec)
+        else:
+            existing.append(current._local_tensor)  # type: ignore[attr-defined]
+            new.append(local)
+    if existing:
+        torch._foreach_add_(existing, new)
+    # [Note: host steps off backward's thread]
+    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
+    return offload_event
+
+
+def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:
+    return list(zip(params, torch.split(output, [p.padded_numel for p in params])))
