@@ -17,15 +17,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._runtime.extension import has_extension
-from ._runtime.host_masters import HostMasterParam, make_host_masters
+from ._runtime.group import FSDPParamGroup
+from ._runtime.host_masters import HostMasterParam, HostSync
 from ._runtime.nvme import check_nvme_path, make_nvme_state
 from ._runtime.param import FSDPParam, ParamPolicy
-from ._runtime.replicas import ReplicaShardedParam, make_replica_sharded
-from ._runtime.zero import make_resident
+from ._runtime.replicas import ReplicaShardedParam, ReplicaSync
+from ._runtime.zero import Resident, watch_optimizer_steps
 from .mesh import MeshInfo
 from .policies import ShardingPolicy
 
-FSDPParamGroup = Any
 Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
 
@@ -106,12 +106,18 @@ def param_class(sharding: ShardingPolicy | None, policy: ParamPolicy, param: nn.
 def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
     """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
     if any(isinstance(param, HostMasterParam) for param in group.params):
-        make_host_masters(group)
+        group.refreshers = (*group.refreshers, HostSync(group))  # [Note: host masters]
+        watch_optimizer_steps()  # [Note: fused steps bump no version]
     if group.params[0].policy.nvme_path is not None:
         make_nvme_state(group)  # [Note: optimizer state on NVMe]
     if sharding is None:
         return
     if sharding.resident:
-        make_resident(group)
+        group.set_reshard_after_forward(False)  # kept through forward: [Note: resident groups]
+        group.resident = Resident(group)
+        watch_optimizer_steps()
     if sharding.replica_sharded:
-        make_replica_sharded(group)
+        group.replicas = ReplicaSync(group)  # [Note: replica-sharded groups]
+        group.refreshers = (*group.refreshers, group.replicas)
+        group.choose_replica_step()
+        watch_optimizer_steps()

@@ -20,9 +20,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._runtime.group import FSDPParamGroup
+from ._runtime.hooks import FSDPState
+from ._runtime.identity import sharded_param_ids
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
-from ._runtime.state import FSDPState
 from ._snapshot import ModuleSnapshot, all_modules
 from ._stages import apply_sharding, check_parameters, check_sharding, param_class
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
@@ -421,6 +422,7 @@ def _collect_params(
     """The parameters this call owns, with every (module, name) place they are registered at."""
     owned: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     taken = _nested_params(modules)
+    sharded = sharded_param_ids()  # DTensors an enclosing call made: sharded bottom-up the wrong way round
     seen: set[int] = set()
     for index, root in enumerate(modules):
         root_prefix = f"[{index}]." if len(modules) > 1 else ""
@@ -429,14 +431,14 @@ def _collect_params(
                 if param is None or id(param) in ignored:
                     continue
                 fqn = f"{prefix}{name}"
-                _check_param(param, fqn, type(module).__name__, taken)
+                _check_param(param, fqn, type(module).__name__, taken, sharded)
                 entry = owned.setdefault(id(param), (fqn, param, []))
                 entry[2].append((module, name))
     return list(owned.values())
 
 
-def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str]) -> None:
-    if isinstance(param, DTensor) and getattr(param, "_fsdp2lite_sharded", False):
+def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str], sharded: set[int]) -> None:
+    if isinstance(param, DTensor) and id(param) in sharded:
         raise ValueError(
             f"parameter '{fqn}' of {owner} is already sharded: fully_shard was applied to a module "
             "that encloses it first. Apply fully_shard bottom-up: submodules first, then the root"

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule  # public: to 
 
 from ._runtime.comm import SharedComm
 from ._runtime.group import FSDPParamGroup
-from ._runtime.state import FSDPState
+from ._runtime.hooks import FSDPState
 
 # [Note: torch's FSDPModule]
 # fsdp2lite's FSDPModule subclasses torch's public FSDPModule class, so ``isinstance(m,

@@ -372,7 +372,7 @@ def test_binary_file(tmp_path: Path) -> None:
 
 def test_schedule_keys_are_the_runtime_settings() -> None:
     """Every ScheduleConfig key is a root setting with a device default (explain shows those)."""
-    from fsdp2lite._runtime.state import ScheduleDefaults, schedule_defaults
+    from fsdp2lite._runtime.root import ScheduleDefaults, schedule_defaults
     from fsdp2lite.config import ScheduleConfig
 
     assert tuple(ScheduleConfig.model_fields) == ScheduleDefaults._fields

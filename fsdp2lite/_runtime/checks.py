@@ -4,13 +4,14 @@ trainable parameters, no parameter sharded by two calls."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from torch.distributed.tensor import DTensor
 
 from .group import FSDPParamGroup
+from .root import StateView
 
-FSDPStates = list[Any]  # FSDPState objects (state.py imports this module, so not named here)
+FSDPStates = Sequence[StateView]  # the FSDPStates under one root (hooks.py imports this module: no import back)
 
 
 def check_materialized(group: FSDPParamGroup, name: str) -> None:

@@ -168,12 +168,13 @@ class AllGatherExtension:
 
     def check_supported(self, shard_dim: int, tensor_parallel: bool, quantized: bool = False) -> None:
         """Such a parameter is sharded on dim 0, without tensor parallelism, gathered exactly."""
-        problem = (
-            f"shard_placement_fn chose Shard({shard_dim})" if shard_dim != 0
-            else "it is also tensor parallel" if tensor_parallel
-            else "its group's CommPolicy quantizes the all-gather" if quantized
-            else None
-        )  # fmt: skip
+        problem = None
+        if shard_dim != 0:
+            problem = f"shard_placement_fn chose Shard({shard_dim})"
+        elif tensor_parallel:
+            problem = "it is also tensor parallel"
+        elif quantized:
+            problem = "its group's CommPolicy quantizes the all-gather"
         if problem is not None:
             raise ValueError(
                 f"parameter '{self.fqn}' defines torch's all-gather extension (fsdp_pre_all_gather), but {problem}: "
@@ -215,6 +216,7 @@ class AllGatherExtension:
         local: torch.Tensor,
         mesh: Any,
         shape: torch.Size,
+        *,
         module: nn.Module,
         mp_policy: Any,
     ) -> list[torch.Tensor]:

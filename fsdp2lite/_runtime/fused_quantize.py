@@ -29,16 +29,16 @@ _compiled: dict[str, Callable[..., Any]] = {}  # "encode"/"decode" -> the compil
 _failed: list[str] = []  # a compile failed in this process: the eager ops from then on
 
 
-def run_fused(name: str, eager: Callable[..., Any], tensor: torch.Tensor, *args: Any) -> Any:
-    """``eager(tensor, *args)`` (``quantize.encode`` or ``decode``), compiled into fused kernels where
+def run_fused(name: str, eager: Callable[..., Any], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``eager(tensor, *args, **kwargs)`` (``quantize.encode`` or ``decode``), compiled into fused kernels where
     ``tensor`` lives on a device in ``FUSED_DEVICES`` ([Note: fused quantize kernels])."""
     if tensor.device.type not in FUSED_DEVICES or _failed:
-        return eager(tensor, *args)
+        return eager(tensor, *args, **kwargs)
     compiled = _compiled.get(name)
     if compiled is None:
         compiled = _compiled[name] = torch.compile(eager, fullgraph=True)
     try:
-        return compiled(tensor, *args)
+        return compiled(tensor, *args, **kwargs)
     except Exception as exc:  # compiling failed: the eager ops give the same values
         _failed.append(name)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -48,4 +48,4 @@ def run_fused(name: str, eager: Callable[..., Any], tensor: torch.Tensor, *args:
             RuntimeWarning,
             stacklevel=3,
         )
-        return eager(tensor, *args)
+        return eager(tensor, *args, **kwargs)

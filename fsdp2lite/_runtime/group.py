@@ -2,7 +2,7 @@
 
 A group is all-gathered as one collective before it is used and reduce-scattered as one collective
 after its backward (plus, for HSDP, one all-reduce across replicas). It owns the phase logic;
-``state.py`` decides *when* each phase runs ([Note: post-forward reshard] is in ``post_forward.py``).
+``hooks.py`` and ``root.py`` decide *when* each phase runs ([Note: post-forward reshard] is in ``post_forward.py``).
 """
 
 from __future__ import annotations
@@ -12,47 +12,30 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..mesh import MeshInfo
 from ..policies import CommPolicy, reduce_dtype_problem
-from .comm import Comm, Ranks
-from .gather import GatherForm, PendingUnshard, Regather, choose_gather, one_dtype
-from .grads import to_one_dtype
+from .choices import GroupChoices
+from .comm import Comm
+from .gather import GatherForm, PendingUnshard, Regather
+from .gradients import accumulate_sharded_grads, run_all_reduce_hook, take_unsharded_grads
 from .host_arena import HostArena, pack_host_shards
+from .identity import register_group
 from .param import FSDPParam
-from .post_forward import check_post_forward_dims, check_post_forward_size
-from .reduce import (
-    DeferredReplicas,
-    NoReplicas,
-    ReduceForm,
-    ReduceScatterResult,
-    ReplicaAllReduce,
-    ReplicaReduceScatter,
-    ReplicaStep,
-    accumulate_sharded_grads,
-    choose_reduce,
-    run_all_reduce_hook,
-)
-from .replicas import ReplicaSync
+from .reduce import ReduceScatterResult
 from .states import ShardedState, TrainingState
 from .zero import Resident
 
 
-class FSDPParamGroup:
-    """The parameters of one fully_shard call and their collectives."""
+class FSDPParamGroup(GroupChoices):
+    """The parameters of one fully_shard call and their collectives (the settings that choose its forms:
+    ``GroupChoices``, choices.py)."""
 
     name: str  # module path from the root ("" for the root), set at lazy init
-    params: tuple[FSDPParam, ...]
     modules: tuple[nn.Module, ...]
-    mesh_info: MeshInfo
-    reshard_after_forward_requested: bool | int | None  # the user's value; None = decided by the root
-    reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
-    post_forward_group: Ranks | None  # set when reshard_after_forward is an int k
     reshard_after_backward: bool
     requires_gradient_sync: bool
-    requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
     gradient_divide_factor: float | None  # None: the data-parallel size (an average)
     unshard_in_backward: bool  # False: backward never all-gathers this group (its backward needs no values)
     reduce_scatter_unused_params: bool  # reduce zeros for parameters that got no gradient this backward
@@ -62,21 +45,14 @@ class FSDPParamGroup:
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
-    gather: GatherForm  # how the group all-gathers: [Note: gather forms]
     regather: Regather | None  # while resharded to the post-forward group: its all-gather for backward
     post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
     offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
-    reduce: ReduceForm  # how the group reduce-scatters: [Note: reduce forms]
-    replica_step: ReplicaStep  # and then across replicas (2-D meshes)
     _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
     reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
-    reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
-    custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
-    custom_reduce_scatter: Any  # torch's ReduceScatter protocol, or None
-    comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
 
     def reduce_dtype_problem(self) -> str | None:
         """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
@@ -124,11 +100,12 @@ class FSDPParamGroup:
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
         self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
-        self.replicas: ReplicaSync | None = None  # HFSDP: [Note: replica-sharded groups]
+        self.replicas = None  # HFSDP: [Note: replica-sharded groups]
         self.refreshers: tuple[Any, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         self.set_comm_policy(comm_policy or CommPolicy())
         self.choose_replica_step()
+        register_group(self)  # its sharded parameters are fsdp2lite's: identity.py
 
     @property
     def comm(self) -> Comm:
@@ -143,95 +120,6 @@ class FSDPParamGroup:
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
-
-    def check_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Raise for a value this group cannot take (an int that does not divide the shard group size, or
-        one that would reshard parameters sharded on a dim other than 0)."""
-        if isinstance(value, bool) or value is None:
-            return
-        check_post_forward_size(value, self.mesh_info.shard_size)
-        if 1 < value < self.mesh_info.shard_size:
-            check_post_forward_dims(value, self.params)
-
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
-        self.check_reshard_after_forward(value)
-        post_forward_group = None
-        if isinstance(value, int) and not isinstance(value, bool) and 1 < value < self.mesh_info.shard_size:
-            group, rank = self.mesh_info.post_forward_group(value)
-            post_forward_group = Ranks(group, value, rank)
-        self.reshard_after_forward_requested = value
-        self.reshard_after_forward = (
-            value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
-        )
-        self.post_forward_group = post_forward_group
-
-    def set_comm_policy(self, policy: CommPolicy) -> None:
-        """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
-        a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
-        odd = [p.fqn for p in self.params if p.extension is not None or not p.orig_dtype.is_floating_point]
-        if policy.all_gather is not None and (odd or one_dtype(self.params) is None):
-            reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
-            raise ValueError(
-                f"CommPolicy(all_gather={policy.all_gather!r}) quantizes a group's parameters together, but {reason}; "
-                "give them a group of their own (or keep all_gather=None for this group)"
-            )
-        self.comm_policy = policy
-        self.choose_gather()
-        self.choose_reduce()
-
-    def set_custom_all_gather(self, comm: Any) -> None:
-        """torch's AllGather protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
-        self.custom_all_gather = comm
-        self.choose_gather()
-
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """torch's ReduceScatter protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
-        self.custom_reduce_scatter = comm
-        self.choose_reduce()
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
-        """HSDP: skip (False) the step across replicas; the replica-local sums are kept and added later."""
-        self.requires_all_reduce = requires_all_reduce
-        self.choose_replica_step()
-
-    def choose_reduce(self, in_place: bool | None = None) -> None:
-        """The group's reduce form ([Note: reduce forms]); ``in_place`` overrides the backend's answer (the
-        estimator's simulated CPU ranks run on the fake process group)."""
-        info = self.mesh_info
-        group = self.reduce_scatter_group or info.shard_group
-        ranks = Ranks(group, info.shard_size, info.shard_rank)
-        self.reduce = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
-
-    def choose_replica_step(self) -> None:
-        """What follows the reduce-scatter on a 2-D mesh ([Note: reduce forms])."""
-        replicate_group = self.mesh_info.replicate_group
-        if replicate_group is None:
-            self.replica_step = NoReplicas()
-        elif not self.requires_all_reduce:
-            self.replica_step = DeferredReplicas()
-        elif self.replicas is not None:
-            self.replica_step = ReplicaReduceScatter(self.replicas)
-        else:
-            self.replica_step = ReplicaAllReduce(replicate_group)
-
-    def choose_gather(self) -> None:
-        """The group's gather form, from what it depends on now ([Note: gather forms])."""
-        info = self.mesh_info
-        ranks = Ranks(info.shard_group, info.shard_size, info.shard_rank)
-        self.gather = choose_gather(self.params, ranks, self.comm_policy, self.custom_all_gather)
-
-    def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
-        """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
-        rank set between groups), or None to use the shard group."""
-        if not enable:
-            self.reduce_scatter_group = None
-        else:
-            ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
-            if ranks not in created:
-                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            self.reduce_scatter_group = created[ranks]
-        self.choose_reduce()  # decided again for the new group
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
@@ -392,33 +280,12 @@ class FSDPParamGroup:
                 param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
-        params, grads = self._take_unsharded_grads()  # the list holds the only references
+        params, grads = take_unsharded_grads(self.params, self.reduce_scatter_unused_params, str(self))  # only refs
         if not params:
             return
-        dtype = params[0].reduce_dtype  # one per group: fully_shard, lazy init and _take_unsharded_grads check
+        dtype = params[0].reduce_dtype  # one per group: fully_shard, lazy init and take_unsharded_grads check
         self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, dtype, self.comm)
         self.trace("reduce_scatter_issue")
-
-    def _take_unsharded_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
-        """The parameters with a gradient this backward, and their unsharded gradients."""
-        params: list[FSDPParam] = []
-        grads: list[torch.Tensor] = []
-        for param in self.params:
-            grad = param.take_unsharded_grad() if param.requires_grad else None
-            if grad is None and param.requires_grad and self.reduce_scatter_unused_params:
-                grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
-            if grad is not None:
-                params.append(param)
-                grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
-        if len({param.reduce_dtype for param in params}) > 1:  # unfrozen since lazy init
-            listing = ", ".join(f"{p.fqn}: {p.reduce_dtype}" for p in params)
-            raise RuntimeError(
-                f"{self}: gradients to reduce in several dtypes ({listing}); a group's gradients are one "
-                "reduce-scatter in one dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
-            )
-        if params:
-            to_one_dtype(grads, params[0].reduce_dtype)  # fresh beside accumulated: [Note: one reduce dtype]
-        return params, grads
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter in flight, if any, reduce across replicas, accumulate into grads."""

@@ -26,15 +26,13 @@ than one per group ([Note: host gradient buffers] in ``pinned.py``): with gradie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .host_masters import HostMasterParam
 from .param import FSDPParam
 from .pinned import exact_host_bytes
-
-FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+from .seams import GroupView
 
 ALIGN = 64  # bytes: every dtype's alignment, and a cache line
 
@@ -60,7 +58,7 @@ def host_tensor(param: FSDPParam) -> torch.Tensor | None:
     return None
 
 
-def pack_host_shards(group: FSDPParamGroup, arena: HostArena | None) -> HostArena | None:
+def pack_host_shards(group: GroupView, arena: HostArena | None) -> HostArena | None:
     """``arena`` if every host tensor of ``group`` is still in it; else a new buffer holding them all (the
     parameters adopting its views), or None when the group has none on the host ([Note: one host buffer per group])."""
     members = [(param, tensor) for param in group.params if (tensor := host_tensor(param)) is not None]

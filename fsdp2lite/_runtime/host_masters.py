@@ -30,9 +30,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .param import FSDPParam, make_dtensor
-from .zero import ShardWatch, watch_optimizer_steps
-
-FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+from .seams import GroupView
+from .zero import ShardWatch
 
 
 class HostMasterParam(FSDPParam):
@@ -62,7 +61,6 @@ class HostMasterParam(FSDPParam):
         self.host_padded = host
         local = host.narrow(self.shard_dim, 0, self.local_rows)
         sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=requires_grad)
-        sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it
         self.sharded_param = sharded  # type: ignore[assignment]
         self._set_on_modules(sharded)
@@ -96,7 +94,7 @@ class HostMasterParam(FSDPParam):
 class HostSync:
     """A ``optimizer_only`` group's masters and the freshness of its device shards ([Note: host masters])."""
 
-    def __init__(self, group: FSDPParamGroup) -> None:
+    def __init__(self, group: GroupView) -> None:
         self.group = group
         self.watch = ShardWatch([p for p in group.params if isinstance(p, HostMasterParam)])  # frozen: none
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
@@ -115,9 +113,3 @@ class HostSync:
             self.copies += 1
             self.group.trace("host_to_device_masters")
         self.watch.record()
-
-
-def make_host_masters(group: FSDPParamGroup) -> None:
-    """Give a group of ``HostMasterParam`` its host-to-device refresh ([Note: host masters])."""
-    group.refreshers = (*group.refreshers, HostSync(group))
-    watch_optimizer_steps()  # [Note: fused steps bump no version]

@@ -82,7 +82,7 @@ class HostSteps:
         submitted, once ``copy_event`` (the gradients' copy to the host, recorded on ``device``) has completed."""
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2lite-host-step")
-        future = self.executor.submit(self._run, step, copy_event, device, self.recorder(), group)
+        future = self.executor.submit(self._run, step, copy_event, device=device, recorder=self.recorder(), group=group)
         self.pending.append((future, group))
         self.stepping.update(id(param) for param in params)
 
@@ -96,6 +96,7 @@ class HostSteps:
         self,
         step: Callable[[], None],
         copy_event: torch.cuda.Event | None,
+        *,
         device: torch.device,
         recorder: TraceRecorder | None,
         group: str,

@@ -54,15 +54,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .param import make_dtensor
 from .pinned import exact_host_bytes
-
-FSDPParamGroup = Any  # the group (group.py imports the modules that import this one: no import back)
+from .seams import GroupView
 
 ALIGN = 4096  # file regions start on a page: direct, unsplit reads and writes
 SLOT_ALIGN = 64  # tensors inside a staging slot: any dtype's alignment, and a cache line
 STATE_COPIES: dict[str, int] = {"SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adam": 2, "AdamW": 2, "Adamax": 2}
 UNKNOWN_COPIES = 2  # another optimizer: assume Adam's two copies (the file grows if it needs more)
 
-_nvme_groups: weakref.WeakSet[Any] = weakref.WeakSet()  # the groups whose state lives in files; read at each step
+_nvme_groups: weakref.WeakSet[GroupView] = weakref.WeakSet()  # the groups whose state lives in files; read at each step
 _engines: weakref.WeakKeyDictionary[torch.optim.Optimizer, NVMeOptimizerState] = weakref.WeakKeyDictionary()
 _hooks: list[Any] = []  # the two global step hooks, registered once per process
 _file_numbers = itertools.count()
@@ -80,7 +79,7 @@ def check_nvme_path(path: str, owner: str, state_bytes: int | None = None) -> No
         raise ValueError(f"{owner}: nvme_path {path!r} is not writable by this process{need}; give a writable one")
 
 
-def make_nvme_state(group: FSDPParamGroup) -> None:
+def make_nvme_state(group: GroupView) -> None:
     """Keep the optimizer state of ``group``'s parameters in files ([Note: optimizer state on NVMe])."""
     _nvme_groups.add(group)
     if not _hooks:
@@ -447,6 +446,8 @@ def _units(optimizer: torch.optim.Optimizer) -> tuple[list[Unit], dict[str, list
             if found is None or not param.requires_grad:
                 continue
             group, policy = found
+            if policy.nvme_path is None:  # never: a group is registered here because its policy names a path
+                continue
             trainable.setdefault(policy.nvme_path, []).append(param)
             if param.grad is not None:
                 by_group.setdefault(id(group), (group, policy, []))[2].append(param)

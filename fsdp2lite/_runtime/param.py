@@ -28,7 +28,6 @@ its gradient, a DTensor on the tp mesh, is brought to those placements and reduc
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -50,8 +49,8 @@ from .extension import (
     has_extension,
 )
 from .grads import GradientState
+from .identity import original_uid
 from .pinned import host_buffer
-from .states import ShardedState
 
 
 @dataclass(frozen=True)
@@ -82,26 +81,6 @@ class ParamPolicy:
 # the all-gather's rank-major output (rank r's padded shard at [r * padded_numel, (r + 1) * padded_numel)),
 # and the Parameter is its first numel elements viewed as the original shape. The all-gather copy-out
 # is then one ``split_with_sizes_copy`` for the whole group, whatever the padding.
-
-
-# [Note: original identity]
-# A Parameter sharded by two separate fully_shard calls (a tie split across groups) must be found at lazy
-# init, but the original may be gone by then (each call replaces it on its modules; nothing else need
-# hold it). So every original gets a number the first time a call sees it, kept while it lives in a weak
-# identity table (nothing is written on the user's Parameter) and on each FSDPParam made from it.
-_original_uids: dict[int, int] = {}  # id(original) -> number, the entry dropped when the original dies
-_next_uid = itertools.count()
-
-
-def original_uid(param: torch.Tensor) -> int:
-    """The number of this original Parameter ([Note: original identity]). Keyed by ``id`` with a
-    finalizer, not a WeakKeyDictionary: that compares colliding keys with ``==``, elementwise on tensors."""
-    key = id(param)
-    uid = _original_uids.get(key)
-    if uid is None:
-        uid = _original_uids[key] = next(_next_uid)
-        weakref.finalize(param, _original_uids.pop, key, None)  # an id is reused only after its object dies
-    return uid
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -140,7 +119,6 @@ class FSDPParam(GradientState):
     unsharded_local: torch.Tensor | None  # the unsharded values in gather_shape (a DTensor's local under TP)
     unsharded_param: nn.Parameter | None  # holds unsharded_local (or a tp DTensor of it), kept across steps
     all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
-    sharded_state: ShardedState
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
     orig_uid: int  # the original's number, which outlives it ([Note: original identity])
     param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
@@ -200,14 +178,12 @@ class FSDPParam(GradientState):
         else:
             self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
-        sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]  # not a TP parameter: see api._check_param
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it: the same view
         self.sharded_param = cast(DTensor, sharded)
         self.unsharded_flat = None
         self.unsharded_local = None
         self.unsharded_param = None
         self.all_gather_view = None
-        self.sharded_state = ShardedState.SHARDED
         self._set_on_modules(self.sharded_param)
 
     @property
@@ -427,7 +403,8 @@ class FSDPParam(GradientState):
         shard = self.padded_shard  # offloaded: its copy on the device ([Note: offloaded hooked parameters])
         if self.offload_to_cpu:
             shard = self.extension.to_device(shard, self.device)
-        return self.extension.inputs(shard, local, self.mesh_info.shard_mesh, self.orig_shape, module, self.mp_policy)
+        mesh, shape = self.mesh_info.shard_mesh, self.orig_shape
+        return self.extension.inputs(shard, local, mesh, shape, module=module, mp_policy=self.mp_policy)
 
     def sync_extension(self, quantized: bool) -> bool:
         """Look the all-gather hooks up on the local tensor, as torch does at every all-gather, so hooks set
@@ -456,20 +433,19 @@ class FSDPParam(GradientState):
             self.unsharded_param = nn.Parameter(made, requires_grad=self.sharded_param.requires_grad)
 
     def to_unsharded(self) -> None:
-        """Register the (already filled) unsharded parameter on the modules."""
+        """Register the (already filled) unsharded parameter on the modules (only the group's
+        ``_to_unsharded`` calls it: the group's state is the parameters')."""
         unsharded = self.unsharded_param
         if unsharded is None:
             raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
         if unsharded.requires_grad != self.sharded_param.requires_grad:  # [Note: frozen]
             unsharded.requires_grad_(self.sharded_param.requires_grad)
         self._set_on_modules(unsharded)
-        self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self, keep: bool = False) -> None:
         """Register the sharded DTensor on the modules and free the unsharded storage (``keep``: not)."""
         self._set_on_modules(self.sharded_param)
         if keep:  # a resident group's storage stays for its next forward: [Note: resident groups]
-            self.sharded_state = ShardedState.SHARDED
             return
         if self.extension is not None:
             self.extension.free()  # [Note: all-gather extension]
@@ -477,7 +453,6 @@ class FSDPParam(GradientState):
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:
             self.unsharded_local.untyped_storage().resize_(0)
-        self.sharded_state = ShardedState.SHARDED
 
     def dim0_chunkable_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient sharded on dim d != 0 rearranged so that chunking it on dim 0 (what the

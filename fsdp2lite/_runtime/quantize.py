@@ -100,7 +100,7 @@ def sum_received(received: torch.Tensor, mode: str, group_numel: int, block: int
     code_bytes, blocks = encoded_sizes(group_numel, block)
     codes = received[:, :code_bytes].contiguous().view(torch.int8)
     scales = received[:, code_bytes:].contiguous().view(torch.float32)
-    rows = run_fused("decode", decode, codes, scales.view(-1, blocks), block, torch.float32)
+    rows = run_fused("decode", decode, codes, scales.view(-1, blocks), block=block, dtype=torch.float32)
     return rows[:, :group_numel].sum(dim=0).to(dtype)
 
 
@@ -134,7 +134,7 @@ def copy_out_quantized(
     slots = output.view(group_size, -1)
     codes = slots[:, :code_bytes].view(torch.int8 if kind == "int8" else torch.float8_e4m3fn)
     scales = slots[:, code_bytes:].view(torch.float32)
-    decoded = run_fused("decode", decode, codes, scales, block, params[0].param_dtype)  # (group_size, segments)
+    decoded = run_fused("decode", decode, codes, scales, block=block, dtype=params[0].param_dtype)  # (ranks, segments)
     pads = [segment - p.padded_numel for segment, p in zip(block_segments(params, block), params)]
     scratch = torch.empty(group_size, sum(pads), dtype=decoded.dtype, device=decoded.device)
     scratch_views = torch.split(scratch, pads, dim=1)

@@ -61,15 +61,13 @@ On every other backend (NCCL, the fake process group) the reduce-scatter is a na
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .comm import Comm, Ranks
-from .host_steps import run_post_accumulate_grad_hooks
-from .param import FSDPParam, make_dtensor
+from .param import FSDPParam
 from .quantize import exchange_rows, sum_received
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
@@ -166,12 +164,15 @@ class ReduceForm:
         chunk_cat(grads, size, rank_major)
         grads.clear()  # the last references: the grads are freed now
         with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
-            output, sent, work = self.start(rank_major, comm)
-        return ReduceScatterResult(output, sent, params, work, comm.record("reduce_scatter"), self)
+            output, sent, work = self.start(reduce_scatter_input, rank_major, comm)
+        event = comm.record("reduce_scatter")
+        return ReduceScatterResult(output, sent, params, work, event=event, form=self)
 
-    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        """The collective over ``rank_major`` (shard_size, group_numel); returns (output, what it sends, held
-        until the finish, work)."""
+    def start(
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+    ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        """The collective over the copied-in ``flat`` (shard_size * group_numel,), viewed ``rank_major``
+        (shard_size, group_numel); returns (output, what it sends, held until the finish, work)."""
         raise NotImplementedError
 
     def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
@@ -188,8 +189,10 @@ class NativeReduceScatter(ReduceForm):
         super().__init__(ranks, custom)
         self.custom = custom
 
-    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        reduce_scatter_input = rank_major.view(-1)
+    def start(
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+    ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        reduce_scatter_input = flat
         output = self.allocate((rank_major.shape[1],), dtype=rank_major.dtype, device=comm.device)
         if self.custom is not None:
             work = self.custom(
@@ -211,8 +214,10 @@ class InPlaceReduce(ReduceForm):
     """gloo, and one rank (any backend): an all-reduce in place, this rank's slot kept ([Note: gloo
     reduce-scatter]); one rank sends nothing and keeps the whole input as the gradients' storage."""
 
-    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        output, flat = rank_major[self.ranks.rank], rank_major.view(-1)  # (group_numel,) view, (size * numel,)
+    def start(
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+    ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+        output = rank_major[self.ranks.rank]  # (group_numel,) view
         if self.ranks.size == 1:
             return output, flat, None  # one rank sends nothing, as torch's
         work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=True, async_op=comm.async_work)
@@ -236,7 +241,9 @@ class AllToAllReduce(ReduceForm):
         super().__init__(ranks)
         self.mode, self.block = mode, block
 
-    def start(self, rank_major: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+    def start(
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+    ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         send, received, work = exchange_rows(rank_major, self.mode, self.block, self.ranks.group, comm.async_work)
         comm.count("all_to_all", send.nbytes * (self.ranks.size - 1) // self.ranks.size)  # every row but its own
         return received, send, work
@@ -321,69 +328,6 @@ class DeferredReplicas:
         for param, slot in _slots(output, params):
             param.keep_partial_reduced_grad(slot)
         return None
-
-
-def run_all_reduce_hook(
-    hook: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None, output: torch.Tensor
-) -> None:
-    """The user's hook on the group's reduced flat gradient (averaged over the data-parallel ranks, or
-    divided by the set factor), on ``stream`` if one was given (CUDA), ordered both ways with the compute
-    stream."""
-    if stream is None:
-        hook(output)
-        return
-    current = torch.cuda.current_stream(output.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        hook(output)
-    current.wait_stream(stream)
-
-
-def accumulate_sharded_grads(
-    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, group: str = "<root>"
-) -> torch.cuda.Event | None:
-    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
-    ``group``: its name in traces), then run their post-accumulate-grad hooks.
-
-    Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
-    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
-    ``comm``'s pool, [Note: host gradient buffers] in pinned.py; the returned event marks its end). A new
-    gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
-    ``zero_grad`` in between) gets the new one added.
-    """
-    comm.host_steps.wait_for(p.sharded_param for p in params)  # [Note: host steps off backward's thread]
-    first = params[0]
-    uniform = all(p.orig_dtype == first.orig_dtype for p in params)
-    flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
-    offload_event = None
-    if first.grads_on_host and flat.device.type != "cpu":
-        host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
-        # async only when nothing below reads the host copy at once: adding into kept gradients and casting
-        # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
-        reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
-        flat = host.copy_(flat, non_blocking=host.is_pinned() and not reads_now)
-        if host.is_pinned() and not reads_now:
-            offload_event = torch.cuda.Event()
-            offload_event.record()  # after the copy on the compute stream: waited at the end of backward
-    existing: list[torch.Tensor] = []
-    new: list[torch.Tensor] = []
-    offset = flat.storage_offset()
-    for param in params:
-        local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
-        offset += param.reduced_numel
-        if not uniform:
-            local = local.to(param.orig_dtype)
-        current = param.sharded_param.grad
-        if current is None:
-            param.sharded_param.grad = make_dtensor(local, param.sharded_spec)
-        else:
-            existing.append(current._local_tensor)  # type: ignore[attr-defined]
-            new.append(local)
-    if existing:
-        torch._foreach_add_(existing, new)
-    # [Note: host steps off backward's thread]
-    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
-    return offload_event
 
 
 def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:

@@ -45,9 +45,8 @@ from .extension import contiguous_stride
 from .param import FSDPParam, make_dtensor
 from .pinned import host_buffer
 from .reduce import _reduce_scatter_flat, reduces_in_place
-from .zero import ShardWatch, watch_optimizer_steps
-
-FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+from .seams import GroupView
+from .zero import ShardWatch
 
 
 def piece_rows(local_rows: int, replicas: int, replica: int) -> tuple[int, int, int]:
@@ -76,7 +75,6 @@ class ReplicaShardedParam(FSDPParam):
         self.sharded_spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
         self.local_view = self.padded_shard.narrow(0, self.piece_start, self.piece_rows)
         sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
-        sharded._fsdp2lite_sharded = True  # type: ignore[attr-defined]
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it
         self.sharded_param = sharded  # type: ignore[assignment]
         self._set_on_modules(sharded)
@@ -133,8 +131,11 @@ class ReplicaShardedParam(FSDPParam):
 class ReplicaSync:
     """An HFSDP group's replica collectives and the freshness of its chunks ([Note: replica-sharded groups])."""
 
-    def __init__(self, group: FSDPParamGroup) -> None:
+    def __init__(self, group: GroupView) -> None:
+        if group.mesh_info.replicate_group is None:
+            raise RuntimeError(f"{group.name}: replica-sharded on a 1-D mesh (fully_shard checks the mesh first)")
         self.group = group
+        self.replicate_group = group.mesh_info.replicate_group
         self.watch = ShardWatch(list(group.params))  # stale: gradients were reduced, or the chunks were reset
         self.gathers = 0  # replica all-gathers run (tests and trace read it)
 
@@ -160,7 +161,7 @@ class ReplicaSync:
             rows = param.padded_shard.narrow(0, param.piece_start, param.piece_rows)
             piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
         received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
-        all_gather_flat(received, send, group=info.replicate_group)
+        all_gather_flat(received, send, group=self.replicate_group)
         received = received.view(info.replicate_size, send.numel())
         comm.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
         for param, columns in zip(params, received.split(sizes, dim=1)):
@@ -185,17 +186,9 @@ class ReplicaSync:
         self.watch.stale = True  # the pieces get new gradients: an optimizer step follows
         if replicas == 1:
             return send[0]
-        in_place = reduces_in_place(info.replicate_group, comm.device)
+        in_place = reduces_in_place(self.replicate_group, comm.device)
         received = send[info.mesh.get_local_rank(0)] if in_place else torch.empty_like(send[0])
-        _reduce_scatter_flat(received, send, group=info.replicate_group, in_place=in_place, async_op=False)
+        _reduce_scatter_flat(received, send, group=self.replicate_group, in_place=in_place, async_op=False)
         ring = send.nbytes * (replicas - 1) // replicas
         comm.count("replica_all_reduce" if in_place else "replica_reduce_scatter", 2 * ring if in_place else ring)
         return received.clone() if in_place else received
-
-
-def make_replica_sharded(group: FSDPParamGroup) -> None:
-    """Turn an HSDP ``group`` of ``ReplicaShardedParam`` into an HFSDP one ([Note: replica-sharded groups])."""
-    group.replicas = ReplicaSync(group)
-    group.refreshers = (*group.refreshers, group.replicas)
-    group.choose_replica_step()
-    watch_optimizer_steps()  # [Note: fused steps bump no version]

@@ -1,8 +1,9 @@
 """The two state machines of the runtime, as enums.
 
 ``TrainingState`` says which phase of a step a group is in; ``ShardedState`` says where a group's
-parameters currently live. Transitions are methods on the owners (``FSDPParam.to_sharded`` and friends),
-which check their preconditions explicitly.
+parameters currently live (one state for the group and its parameters). ``ShardedState`` changes only in
+the group's ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward``, each of which checks the
+state it leaves and raises naming both.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class TraceRecorder:
             yield
         finally:
             end = time.perf_counter()
-            self.events.append(TraceEvent(name, group, state, start - self._t0, end - start, lane))
+            self.events.append(TraceEvent(name, group, state, start - self._t0, end - start, lane=lane))
 
     def names(self, group: str | None = None) -> list[str]:
         """Event names in order, optionally of one group: handy for asserting a schedule."""

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-FSDPParamGroup = Any  # the group (group.py imports this module: no import back)
+from .identity import sharded_param_ids
+from .seams import GroupView
 
 
 def shard_versions(param: Any) -> tuple[int, int]:
@@ -61,7 +62,7 @@ class ShardWatch:
 class Resident:
     """The freshness of a resident group's unsharded storage ([Note: resident groups])."""
 
-    def __init__(self, group: FSDPParamGroup) -> None:
+    def __init__(self, group: GroupView) -> None:
         self.group = group
         self.versions: tuple[tuple[int, int], ...] | None = None  # the shards' versions when last gathered
         self.skipped = 0  # all-gathers skipped because the storage was fresh (tests and trace read it)
@@ -86,13 +87,6 @@ class Resident:
         return True
 
 
-def make_resident(group: FSDPParamGroup) -> None:
-    """Turn ``group`` into a ZeRO-1/2 group: parameters kept through forward, storage kept across steps."""
-    group.set_reshard_after_forward(False)
-    group.resident = Resident(group)
-    watch_optimizer_steps()
-
-
 _watching: list[Any] = []  # the one hook handle, once registered
 
 
@@ -105,7 +99,8 @@ def watch_optimizer_steps() -> None:
 def _mark_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Move the version counter of each fsdp2lite sharded parameter ``optimizer`` just stepped (those with a
     gradient), so a fused kernel's in-place writes are seen like any other ([Note: fused steps bump no version])."""
+    ours = sharded_param_ids()
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param.grad is not None and getattr(param, "_fsdp2lite_sharded", False):
+            if param.grad is not None and id(param) in ours:
                 torch.autograd.graph.increment_version(param)

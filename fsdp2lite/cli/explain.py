@@ -36,7 +36,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .._runtime.state import ScheduleDefaults, schedule_defaults
+from .._runtime.root import ScheduleDefaults, schedule_defaults
 from .._units import human_bytes
 from ..config import (
     ConfigError,

@@ -103,7 +103,7 @@ def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, ful
 def checkpoint_forward(module: nn.Module) -> None:
     """Recompute ``module``'s forward in backward instead of keeping its activations
     (``torch.utils.checkpoint``, non-reentrant). fsdp2lite's hooks stay outside: the recompute runs
-    after the group's pre-backward unshard ([Note: recompute] in _runtime/state.py)."""
+    after the group's pre-backward unshard ([Note: recompute] in _runtime/hooks.py)."""
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward

@@ -148,7 +148,7 @@ def _planned(
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
     """The target device's schedule defaults where the config says ``auto``, and its reduction: gloo's
     in-place all-reduce on ``cpu``, a native reduce-scatter on ``cuda``."""
-    from .._runtime.state import schedule_defaults
+    from .._runtime.root import schedule_defaults
     from ..module import FSDPModule
 
     defaults = schedule_defaults(on_cuda=device == "cuda")

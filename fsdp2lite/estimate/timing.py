@@ -27,7 +27,7 @@ The model (docs/estimate.md, "Step time", checks it against two published runs):
         group computes; ``overlap`` (default 0.9, an assumption, not a measurement) is the share of compute
         that can hide transfers: the first all-gather and the last reduce-scatter of a step wait on nothing.
     step_s = compute_s + exposed_comm_s + nvme_s;  tokens_per_s = world_size * tokens_per_gpu / step_s (the job's)
-    ``schedule="cpu"`` (a gloo job, fsdp2lite's CPU defaults: _runtime/state.py ``schedule_defaults``): the host
+    ``schedule="cpu"`` (a gloo job, fsdp2lite's CPU defaults: _runtime/root.py ``schedule_defaults``): the host
     runs the collectives and the compute, so only the forward's prefetched all-gathers (all but the first) can
     hide, under the forward's compute; backward's all-gathers are issued after the previous reduce-scatter and
     each reduce-scatter is waited at once: exposed_comm_s = comm_s + h2d_s - min(forward all-gathers after the

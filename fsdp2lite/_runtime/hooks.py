@@ -1,4 +1,4 @@
-"""Per-call state: the hooks that drive a group through a step, lazy root init, the end-of-backward callback.
+"""Per-call state: the hooks that drive a group through a step, and the root's lazy init.
 
 When each phase runs:
     pre-forward hook   -> (root: lazy init) -> group.pre_forward (unshard); a _PostBackward node is put
@@ -15,33 +15,6 @@ group's pre-backward hook has unsharded it (the hook fires on the output grad, b
 need the saved tensors). The forward hooks then do nothing: the group is already unsharded and must
 stay so for its backward. The recompute may also stop early, skipping post-forward hooks, so the
 end-of-backward callback clears the per-forward bookkeeping.
-
-[Note: prefetch]
-Forward: once a group is unsharded (its copy-out done, its all-gather buffer freed), the all-gathers of
-the next ``forward_prefetch_depth`` groups in the recorded forward order are issued, so they run while
-this group computes. Default depth: 1 on CPU (nothing else would start them early), 0 on CUDA (the
-host runs ahead of the GPU, so the next pre-forward issues its all-gather early anyway).
-Backward: each group prefetches the group before it in forward order, either at its pre-backward, so
-the all-gather overlaps this group's backward compute (default on CUDA), or right after issuing its
-reduce-scatter (``late_backward_prefetch``, default on CPU), so the all-gather overlaps the
-reduce-scatter but never coexists with this group's whole gradients and its reduce-scatter buffer:
-one block-sized buffer less at the backward peak, for less overlap where compute and gloo's thread
-compete for the same cores anyway (benchmarks/results: params config).
-A group's reduce-scatter can be waited only when the next group issues its own, so it overlaps the
-backward compute in between (``overlap_reduce_scatter``); that holds its flat input buffer (a block's
-worth) through that backward. Default: on for CUDA, where side streams make the overlap real; off for
-CPU, where gloo's thread competes with compute for the same cores and torch's fully_shard also waits
-at once, so the memory is worth more than the overlap (``set_overlap_reduce_scatter(True)`` turns it
-on). Peak during forward (depth d >= 1): the group computing plus d in-flight all-gather buffers,
-i.e. (d + 1) unsharded groups; the copy-out moment, 2 for d = 0.
-
-[Note: microbatching]
-``set_is_last_backward(False)`` marks the coming backwards as not the last of a step (microbatches with
-gradient sync on): their end-of-backward callback still reduce-scatters what autograd never handed a
-group and reshards, but leaves reductions in flight (the next backward's first post-backward, or the
-last backward's end, waits for them) and waits on no side stream, so the last reduce-scatter of one
-microbatch overlaps the next microbatch's forward. The sharded gradients are complete only after a
-backward with ``set_is_last_backward(True)`` (the default).
 
 [Note: compile]
 The forward hooks are wrapped in ``torch.compiler.disable``. A block compiled with ``block.compile()`` (or
@@ -66,11 +39,10 @@ reduce-scatter when the group's backward ends.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
 from ..policies import MixedPrecisionPolicy
 from .checks import (
@@ -80,176 +52,12 @@ from .checks import (
     check_reduce_dtypes,
     check_root_settings,
 )
-from .comm import Comm, SharedComm
+from .comm import SharedComm
 from .containers import cast_floating, map_tensors, tensors_in
 from .group import FSDPParamGroup
+from .root import RootContext
 from .states import TrainingState
 from .trace import TraceRecorder
-
-_FORWARD_METHOD = -1  # in pending_forward while a registered forward method runs (never a module id)
-
-
-class ScheduleDefaults(NamedTuple):
-    """The root settings a device gets when the user sets none ([Note: prefetch])."""
-
-    forward_prefetch_depth: int
-    late_backward_prefetch: bool
-    overlap_reduce_scatter: bool
-
-
-def schedule_defaults(on_cuda: bool) -> ScheduleDefaults:
-    """CPU has no kernel queue to run ahead with, so the next all-gather must be started explicitly
-    (depth 1); CUDA side streams make a pipelined reduce-scatter a real overlap."""
-    if on_cuda:
-        return ScheduleDefaults(forward_prefetch_depth=0, late_backward_prefetch=False, overlap_reduce_scatter=True)
-    return ScheduleDefaults(forward_prefetch_depth=1, late_backward_prefetch=True, overlap_reduce_scatter=False)
-
-
-class RootContext:
-    """State shared by every group under one root; owned by the root's FSDPState."""
-
-    states: list[FSDPState]  # root first, then the others in module order
-    comm: Comm | None  # shared by every group; None when no group owns parameters
-    forward_order: list[FSDPParamGroup]  # groups in the order of the first forward
-    order_recorded: bool
-    final_callback_queued: bool
-    forward_prefetch_depth: int  # groups all-gathered ahead in forward ([Note: prefetch])
-    overlap_reduce_scatter: bool  # wait a reduce-scatter one group later (True) or at once ([Note: prefetch])
-    late_backward_prefetch: bool  # prefetch in backward after the reduce-scatter (True) or at pre-backward
-    pending_reduce_scatters: list[FSDPParamGroup]  # in flight, oldest first ([Note: prefetch])
-    is_last_backward: bool  # False: the end of backward leaves reductions in flight ([Note: microbatching])
-    post_optim_event: torch.Event | None  # CUDA: the next root pre-forward's all-gathers wait on it
-
-    def __init__(
-        self, states: list[FSDPState], schedule_overrides: dict[str, Any], shared: SharedComm | None = None
-    ) -> None:
-        self.states = states
-        groups = self.groups()
-        self.comm = None
-        if groups:
-            if shared is not None and shared.comm is None:
-                shared.comm = Comm(groups[0].mesh_info.device)
-            self.comm = shared.comm if shared is not None else Comm(groups[0].mesh_info.device)
-        for group in groups:
-            group.comm = self.comm  # type: ignore[assignment]
-        self.forward_order = []
-        self.order_recorded = False
-        self.final_callback_queued = False
-        defaults = schedule_defaults(on_cuda=self.comm is not None and not self.comm.async_work)
-        settings = defaults._replace(**schedule_overrides)  # the user's values over the device's defaults
-        self.forward_prefetch_depth = settings.forward_prefetch_depth
-        self.late_backward_prefetch = settings.late_backward_prefetch
-        self.overlap_reduce_scatter = settings.overlap_reduce_scatter
-        self.pending_reduce_scatters = []
-        self.is_last_backward = True
-        self.post_optim_event = None
-
-    def groups(self) -> list[FSDPParamGroup]:
-        return [state.group for state in self.states if state.group is not None]
-
-    def schedule_settings(self) -> dict[str, Any]:
-        """The settings in force and the device, for traces: what a reader needs to read the order."""
-        device = self.comm.device.type if self.comm is not None else "none"
-        return {key: getattr(self, key) for key in ScheduleDefaults._fields} | {"device": device}
-
-    def finish_forward_pass(self, output: Any) -> None:
-        """Root post-forward: the order is known now; complete the group passes some module of a list
-        group never finished ([Note: group pass])."""
-        self.order_recorded = True
-        for state in reversed(self.states[1:]):  # innermost first, as their own post-forwards would run
-            if state.pending_forward - {_FORWARD_METHOD}:
-                state.pending_forward.clear()
-                state.post_forward_group(output)
-
-    # ---- the schedule ------------------------------------------------------------------------
-    def prefetch_forward(self, group: FSDPParamGroup) -> None:
-        """Start the all-gathers of the groups that run next in forward (after ``group`` is unsharded)."""
-        targets = group.forward_prefetch
-        if targets is None:
-            targets = self._neighbours(group, self.forward_prefetch_depth, step=1)
-        for target in targets:
-            target.unshard()  # issue only: waited in its own pre-forward
-
-    def prefetch_backward(self, group: FSDPParamGroup) -> None:
-        """Start the all-gather of the group whose backward runs after ``group``'s (reverse forward order)."""
-        targets = group.backward_prefetch
-        if targets is None:
-            targets = self._neighbours(group, 1, step=-1)
-        for target in targets:
-            if target.training_state is not TrainingState.POST_BACKWARD and target.unshard_in_backward:
-                target.unshard()
-
-    def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> list[FSDPParamGroup]:
-        if not self.order_recorded or group not in self.forward_order or depth < 1:
-            return []
-        index = self.forward_order.index(group)
-        positions = (index + step * k for k in range(1, depth + 1))
-        return [self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order)]
-
-    def finish_pending_reduce_scatter(self, keep: int = 0) -> None:
-        """Before a group issues its reduce-scatter: finish the oldest still in flight (they overlapped
-        backward compute) until ``keep`` remain, so at most ``keep + 1`` flat inputs are alive once the
-        next is allocated ([Note: buffer lifetime]; ``keep`` is the issuing group's
-        ``reduce_scatter_max_input_buffers - 1``). On CUDA the wait is the compute stream's."""
-        while len(self.pending_reduce_scatters) > keep:
-            self.pending_reduce_scatters.pop(0).finish_reduce_scatter()
-
-    def track_reduce_scatter(self, group: FSDPParamGroup) -> None:
-        """After ``group`` issued its reduce-scatter: keep it in flight until a later group's
-        (``overlap_reduce_scatter``), or finish it at once."""
-        if self.overlap_reduce_scatter:
-            self.pending_reduce_scatters.append(group)
-        else:
-            group.finish_reduce_scatter()
-
-    def queue_final_callback(self) -> None:
-        if self.final_callback_queued:
-            return
-        self.final_callback_queued = True
-        Variable._execution_engine.queue_callback(self.finalize_backward)
-
-    def finalize_backward(self) -> None:
-        """Runs once autograd has finished the whole backward pass."""
-        # Reverse module order mirrors the backward; every rank walks the same list, so any
-        # reduce-scatter issued here is issued in the same order on all ranks.
-        if not self.is_last_backward:  # [Note: microbatching]
-            for group in reversed(self.groups()):
-                group.finish_backward_pass()
-            self._end_backward_pass()
-            return
-        self.finish_pending_reduce_scatter()
-        for group in reversed(self.groups()):
-            group.finalize_backward()
-        if self.comm is not None:
-            self.comm.synchronize_side_streams()
-        for group in self.groups():
-            if group.offload_event is not None:
-                # The one host wait of a step, CPU offload only: optimizer.step() reads the host grads.
-                group.offload_event.synchronize()
-                group.offload_event = None
-        self._end_backward_pass()
-
-    def _end_backward_pass(self) -> None:
-        for state in self.states:
-            state.pending_forward.clear()  # a recompute stopped early never ran its post-forward
-        self.final_callback_queued = False
-        if self.comm is not None:
-            self.comm.host_steps.wait()  # return with every group stepped: [Note: host steps off backward's thread]
-
-    def reset(self) -> None:
-        """Recover from an exception mid-step (see ``FSDPParamGroup.reset``)."""
-        backward_states = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-        in_backward = self.final_callback_queued or any(
-            group.training_state in backward_states for group in self.groups()
-        )
-        if self.comm is not None:
-            self.comm.host_steps.wait_quietly()  # no host step outlives the recovery
-        for group in self.groups():
-            group.reset(drop_unsharded_grads=in_backward)
-        for state in self.states:
-            state.pending_forward.clear()
-        self.pending_reduce_scatters = []
-        self.final_callback_queued = False
 
 
 class _PostBackward(torch.autograd.Function):
@@ -275,6 +83,7 @@ class FSDPState:
     is_root: bool | None  # None until the first forward decides
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
+    in_forward_method: bool  # a registered forward method is running: its pass stays open until it returns
     schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
     step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
@@ -290,6 +99,7 @@ class FSDPState:
         self.is_root = None
         self.root_context = None
         self.pending_forward = set()
+        self.in_forward_method = False
         self.schedule_overrides = {}
         self.step_settings = {}
         self.trace_recorder = None
@@ -306,6 +116,15 @@ class FSDPState:
         after a forward), reshard first so neither reads nor writes a soon-discarded unsharded copy."""
         if self.group is not None and self.group.training_state is TrainingState.IDLE:
             self.group.reshard()  # a backward still to come unshards again in its pre-backward
+
+    def in_pass(self) -> bool:
+        """A forward pass of this call is open: modules of its group yet to finish, or a forward method running."""
+        return bool(self.pending_forward) or self.in_forward_method
+
+    def end_pass(self) -> None:
+        """Close this call's forward pass bookkeeping (its post-forward ran, or never will this step)."""
+        self.pending_forward.clear()
+        self.in_forward_method = False
 
     # ---- lazy init --------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -359,7 +178,7 @@ class FSDPState:
         policy = self.mp_policy  # every module of the group casts its own inputs
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-        if self.pending_forward:
+        if self.in_pass():
             return args, kwargs  # a later module of this call's group: unsharded already ([Note: group pass])
         if self.is_root is None:
             self.lazy_init()  # before any bookkeeping: if it raises, nothing has changed
@@ -367,8 +186,6 @@ class FSDPState:
         return self._pre_forward(args, kwargs)
 
     def _pre_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.is_root is None:
-            self.lazy_init()
         group = self.group
         if group is None:
             return args, kwargs
@@ -393,8 +210,8 @@ class FSDPState:
     def run_forward_method(self, module: nn.Module, method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A method registered with ``register_fsdp_forward_method`` (e.g. ``generate``), run between
         the group's pre- and post-forward work like ``forward`` is. Forwards it calls on the same
-        module run inside that one pass: a marker in ``pending_forward`` keeps their post-forward
-        hooks from closing it, so the parameters stay unsharded until the method returns."""
+        module run inside that one pass: ``in_forward_method`` keeps their post-forward hooks from
+        closing it, so the parameters stay unsharded until the method returns."""
         opened, args, kwargs = self.begin_forward_method(module, args, kwargs)
         output = method(*args, **kwargs)
         return self.end_forward_method(output) if opened else output
@@ -403,17 +220,17 @@ class FSDPState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[bool, tuple[Any, ...], dict[str, Any]]:
         """Open a forward-method pass (False: already inside one of this group, nothing to do)."""
-        if self.pending_forward or (self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD):
+        if self.in_pass() or (self.group is not None and self.group.training_state is TrainingState.PRE_BACKWARD):
             return False, args, kwargs
         pre = self._pre_forward_hook(module, args, kwargs)
         if pre is not None:
             args, kwargs = pre
-        self.pending_forward.add(_FORWARD_METHOD)
+        self.in_forward_method = True
         return True, args, kwargs
 
     def end_forward_method(self, output: Any) -> Any:
         """Close the pass ``begin_forward_method`` opened: cast the output, post-forward."""
-        self.pending_forward.clear()
+        self.end_pass()
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return self._post_forward(output)
@@ -426,7 +243,7 @@ class FSDPState:
         if id(module) not in self.pending_forward:
             return output
         self.pending_forward.discard(id(module))
-        if self.pending_forward:
+        if self.in_pass():
             return output
         return self._post_forward(output)
 

@@ -1,0 +1,139 @@
+"""The settings of a group that decide how it communicates, and the choosing of its forms.
+
+What a group's hot path does depends on facts fixed between setter calls: its parameters' dtypes and hooks,
+its mesh, its CommPolicy, a custom all-gather or reduce-scatter, a reduce-scatter group of its own, whether
+replicas all-reduce, HFSDP. Each setter here records its value and re-chooses the one form it affects
+([Note: gather forms] in gather.py, [Note: reduce forms] in reduce.py); ``unshard`` and the reduction then
+call the forms without asking about features (STYLE.md rule 17).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..mesh import MeshInfo
+from ..policies import CommPolicy
+from .comm import Ranks
+from .gather import GatherForm, choose_gather, one_dtype
+from .param import FSDPParam
+from .post_forward import check_post_forward_dims, check_post_forward_size
+from .reduce import (
+    DeferredReplicas,
+    NoReplicas,
+    ReduceForm,
+    ReplicaAllReduce,
+    ReplicaReduceScatter,
+    ReplicaStep,
+    choose_reduce,
+)
+from .replicas import ReplicaSync
+
+
+class GroupChoices:
+    """A group's communication settings and the forms they choose (the base of ``FSDPParamGroup``)."""
+
+    reshard_after_forward_requested: bool | int | None  # the user's value; None = decided by the root
+    reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
+    post_forward_group: Ranks | None  # set when reshard_after_forward is an int k
+    requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
+    replicas: ReplicaSync | None  # HFSDP: [Note: replica-sharded groups]
+    gather: GatherForm  # how the group all-gathers: [Note: gather forms]
+    reduce: ReduceForm  # how the group reduce-scatters: [Note: reduce forms]
+    replica_step: ReplicaStep  # and then across replicas (2-D meshes)
+    reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
+    custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
+    custom_reduce_scatter: Any  # torch's ReduceScatter protocol, or None
+    comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
+    params: tuple[FSDPParam, ...]
+    mesh_info: MeshInfo
+
+    def check_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Raise for a value this group cannot take (an int that does not divide the shard group size, or
+        one that would reshard parameters sharded on a dim other than 0)."""
+        if isinstance(value, bool) or value is None:
+            return
+        check_post_forward_size(value, self.mesh_info.shard_size)
+        if 1 < value < self.mesh_info.shard_size:
+            check_post_forward_dims(value, self.params)
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
+        self.check_reshard_after_forward(value)
+        post_forward_group = None
+        if isinstance(value, int) and not isinstance(value, bool) and 1 < value < self.mesh_info.shard_size:
+            group, rank = self.mesh_info.post_forward_group(value)
+            post_forward_group = Ranks(group, value, rank)
+        self.reshard_after_forward_requested = value
+        self.reshard_after_forward = (
+            value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
+        )
+        self.post_forward_group = post_forward_group
+
+    def set_comm_policy(self, policy: CommPolicy) -> None:
+        """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
+        a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
+        odd = [p.fqn for p in self.params if p.extension is not None or not p.orig_dtype.is_floating_point]
+        if policy.all_gather is not None and (odd or one_dtype(self.params) is None):
+            reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
+            raise ValueError(
+                f"CommPolicy(all_gather={policy.all_gather!r}) quantizes a group's parameters together, but {reason}; "
+                "give them a group of their own (or keep all_gather=None for this group)"
+            )
+        self.comm_policy = policy
+        self.choose_gather()
+        self.choose_reduce()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """torch's AllGather protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
+        self.custom_all_gather = comm
+        self.choose_gather()
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """torch's ReduceScatter protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
+        self.custom_reduce_scatter = comm
+        self.choose_reduce()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """HSDP: skip (False) the step across replicas; the replica-local sums are kept and added later."""
+        self.requires_all_reduce = requires_all_reduce
+        self.choose_replica_step()
+
+    def choose_reduce(self, in_place: bool | None = None) -> None:
+        """The group's reduce form ([Note: reduce forms]); ``in_place`` overrides the backend's answer (the
+        estimator's simulated CPU ranks run on the fake process group)."""
+        info = self.mesh_info
+        group = self.reduce_scatter_group or info.shard_group
+        ranks = Ranks(group, info.shard_size, info.shard_rank)
+        self.reduce = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
+
+    def choose_replica_step(self) -> None:
+        """What follows the reduce-scatter on a 2-D mesh ([Note: reduce forms])."""
+        replicate_group = self.mesh_info.replicate_group
+        if replicate_group is None:
+            self.replica_step = NoReplicas()
+        elif not self.requires_all_reduce:
+            self.replica_step = DeferredReplicas()
+        elif self.replicas is not None:
+            self.replica_step = ReplicaReduceScatter(self.replicas)
+        else:
+            self.replica_step = ReplicaAllReduce(replicate_group)
+
+    def choose_gather(self) -> None:
+        """The group's gather form, from what it depends on now ([Note: gather forms])."""
+        info = self.mesh_info
+        ranks = Ranks(info.shard_group, info.shard_size, info.shard_rank)
+        self.gather = choose_gather(self.params, ranks, self.comm_policy, self.custom_all_gather)
+
+    def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
+        """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
+        rank set between groups), or None to use the shard group."""
+        if not enable:
+            self.reduce_scatter_group = None
+        else:
+            ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            self.reduce_scatter_group = created[ranks]
+        self.choose_reduce()  # decided again for the new group

@@ -1,0 +1,103 @@
+"""A group's gradients on both sides of its reduction: taken from autograd for the copy-in, stored as the
+sharded parameters' DTensor gradients after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .comm import Comm
+from .grads import to_one_dtype
+from .host_steps import run_post_accumulate_grad_hooks
+from .param import FSDPParam, make_dtensor
+
+
+def take_unsharded_grads(
+    group_params: tuple[FSDPParam, ...], zeros_for_unused: bool, owner: str
+) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+    """The parameters of group ``owner`` with a gradient this backward, and their unsharded gradients in one
+    reduce dtype (``zeros_for_unused``: zeros for trainable parameters that got none,
+    ``set_reduce_scatter_unused_params``)."""
+    params: list[FSDPParam] = []
+    grads: list[torch.Tensor] = []
+    for param in group_params:
+        grad = param.take_unsharded_grad() if param.requires_grad else None
+        if grad is None and param.requires_grad and zeros_for_unused:
+            grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
+        if grad is not None:
+            params.append(param)
+            grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
+    if len({param.reduce_dtype for param in params}) > 1:  # unfrozen since lazy init
+        listing = ", ".join(f"{p.fqn}: {p.reduce_dtype}" for p in params)
+        raise RuntimeError(
+            f"{owner}: gradients to reduce in several dtypes ({listing}); a group's gradients are one "
+            "reduce-scatter in one dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
+        )
+    if params:
+        to_one_dtype(grads, params[0].reduce_dtype)  # fresh beside accumulated: [Note: one reduce dtype]
+    return params, grads
+
+
+def run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None, output: torch.Tensor
+) -> None:
+    """The user's hook on the group's reduced flat gradient (averaged over the data-parallel ranks, or
+    divided by the set factor), on ``stream`` if one was given (CUDA), ordered both ways with the compute
+    stream."""
+    if stream is None:
+        hook(output)
+        return
+    current = torch.cuda.current_stream(output.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(output)
+    current.wait_stream(stream)
+
+
+def accumulate_sharded_grads(
+    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, group: str = "<root>"
+) -> torch.cuda.Event | None:
+    """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
+    ``group``: its name in traces), then run their post-accumulate-grad hooks.
+
+    Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
+    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
+    ``comm``'s pool, [Note: host gradient buffers] in pinned.py; the returned event marks its end). A new
+    gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
+    ``zero_grad`` in between) gets the new one added.
+    """
+    comm.host_steps.wait_for(p.sharded_param for p in params)  # [Note: host steps off backward's thread]
+    first = params[0]
+    uniform = all(p.orig_dtype == first.orig_dtype for p in params)
+    flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
+    offload_event = None
+    if first.grads_on_host and flat.device.type != "cpu":
+        host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
+        # async only when nothing below reads the host copy at once: adding into kept gradients and casting
+        # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
+        reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
+        flat = host.copy_(flat, non_blocking=host.is_pinned() and not reads_now)
+        if host.is_pinned() and not reads_now:
+            offload_event = torch.cuda.Event()
+            offload_event.record()  # after the copy on the compute stream: waited at the end of backward
+    existing: list[torch.Tensor] = []
+    new: list[torch.Tensor] = []
+    offset = flat.storage_offset()
+    for param in params:
+        local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
+        offset += param.reduced_numel
+        if not uniform:
+            local = local.to(param.orig_dtype)
+        current = param.sharded_param.grad
+        if current is None:
+            param.sharded_param.grad = make_dtensor(local, param.sharded_spec)
+        else:
+            existing.append(current._local_tensor)  # type: ignore[attr-defined]
+            new.append(local)
+    if existing:
+        torch._foreach_add_(existing, new)
+    # [Note: host steps off backward's thread]
+    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
+    return offload_event
