@@ -10,7 +10,8 @@ order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.nn as nn
@@ -33,6 +34,15 @@ class ModuleSnapshot:
             }
             state = module.__dict__.get("_fsdp_state", _ABSENT)
             self._entries.append((module, type(module), dict(module._parameters), hooks, state))
+
+    @contextmanager
+    def all_or_nothing(self) -> Iterator[None]:
+        """The block changes the modules completely or, if it raises, not at all: restored, then re-raised."""
+        try:
+            yield
+        except BaseException:
+            self.restore()
+            raise
 
     def restore(self) -> None:
         """Put every module back as it was when the snapshot was taken."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -19,22 +19,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._arguments import check_call, check_ignored, resolve_policies
+from ._precision import OverrideFn, PerParamPolicies, per_param_policies
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._snapshot import ModuleSnapshot, all_modules
-from ._stages import apply_sharding, check_parameters, check_sharding, param_class
+from ._stages import apply_sharding, check_parameters, param_class
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
-from .module import FSDPModule, UnshardHandle, check_reshard_after_forward, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policies import (
     CommPolicy,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingPolicy,
-    from_torch_policy,
     reduce_dtype_problem,
 )
 
@@ -61,6 +62,7 @@ def fully_shard(
     dp_mesh_dims: Any = None,
     comm_policy: CommPolicy | None = None,
     sharding: ShardingPolicy | None = None,
+    mp_overrides: Mapping[str, MixedPrecisionPolicy] | OverrideFn | None = None,
 ) -> M:
     """Shard ``module`` (or a list of modules, as one group) over ``mesh``; returns it, now an FSDPModule.
 
@@ -88,25 +90,24 @@ def fully_shard(
             shards change ([Note: resident groups]); None or ``shard="params"``: ZeRO-3, torch's behaviour.
             ``ShardingPolicy(replicate="optimizer")`` on a 2D mesh: HFSDP, masters and optimizer state sharded
             across the replicas too ([Note: replica-sharded groups]); ``replicate="none"``: HSDP.
+        mp_overrides: per-parameter mixed precision: ``{"*norm*": MixedPrecisionPolicy(param_dtype=torch.float32)}``
+            (fnmatch patterns over the call's parameter names, first match wins; or ``fn(param) -> policy | None``)
+            gives the matching parameters their own ``param_dtype`` and ``reduce_dtype`` inside this one group:
+            one all-gather, one reduce-scatter per reduce dtype ([Note: per-parameter mixed precision]).
     """
-    _check_dp_mesh_dims(dp_mesh_dims)
-    modules = _check_modules(module)
-    check_reshard_after_forward(reshard_after_forward)
-    sharding = check_sharding(sharding, reshard_after_forward)
-    mp_policy, offload_policy = _resolve_policies(mp_policy, offload_policy, comm_policy)
-    owned = _collect_params(modules, _check_ignored(ignored_params))
+    modules, sharding = check_call(module, dp_mesh_dims, reshard_after_forward, sharding)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, comm_policy)
+    owned = _collect_params(modules, check_ignored(ignored_params))
     mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
     policy = _param_policy(mp_policy, offload_policy, mesh_info)
-    _check_group_dtypes(owned, policy, modules)
+    owner = ", ".join(type(m).__name__ for m in modules)
+    per_param = per_param_policies(mp_overrides, owned, policy, mp_policy, info=mesh_info, owner=owner)
+    _check_group_dtypes(owned, per_param.policies, modules)
     dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward, sharding, policy)
-    snapshot = ModuleSnapshot(all_modules(modules))  # every check passed: from here on, all or nothing
-    try:
-        params = _make_params(owned, dims, mesh_info, policy, mp_policy, sharding)
+    with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # every check passed: from here on, all or nothing
+        params = _make_params(owned, dims, mesh_info, per_param, sharding)
         group = _make_group(params, modules, mesh_info, reshard_after_forward, comm_policy, sharding)
         _install(modules, FSDPState(modules, group, mp_policy))
-    except BaseException:
-        snapshot.restore()
-        raise
     _register_composable(modules)
     return module
 
@@ -188,14 +189,15 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
 def _make_params(
-    owned: Any, dims: list[int], info: MeshInfo, policy: ParamPolicy, mp_policy: Any, sharding: ShardingPolicy | None
+    owned: Any, dims: list[int], info: MeshInfo, policies: PerParamPolicies, sharding: Any
 ) -> tuple[FSDPParam, ...]:
-    """The group's parameters, each of the class ``sharding`` and ``policy`` ask for (``_stages``)."""
+    """The group's parameters, each under its policy (and its MixedPrecisionPolicy, for the all-gather hooks), of
+    the class ``sharding`` and the policy ask for (``_stages``)."""
     return tuple(
         param_class(sharding, policy, param)(
             param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy
         )
-        for (fqn, param, places), dim in zip(owned, dims)
+        for (fqn, param, places), dim, policy, mp_policy in zip(owned, dims, *policies)
     )
 
 
@@ -272,71 +274,7 @@ def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
         module.register_load_state_dict_pre_hook(shard_full)
 
 
-# ---- input checks: each raises naming the offending value and what is allowed -------------------
-def _check_dp_mesh_dims(dp_mesh_dims: Any) -> None:
-    if dp_mesh_dims is None:
-        return
-    shard = getattr(dp_mesh_dims, "shard", None)
-    replicate = getattr(dp_mesh_dims, "replicate", None)
-    names = [n for part in (replicate, shard) if part for n in ((part,) if isinstance(part, str) else part)]
-    sub = f"mesh[{', '.join(repr(n) for n in names)}]" if names else "mesh['dp']"
-    raise NotImplementedError(
-        f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}): the SPMD form (parameters as DTensors on the full mesh) "
-        f"is not supported by fsdp2lite; pass the data-parallel sub-mesh instead, mesh={sub} (2D: replicate, "
-        "shard), with tensor-parallel parameters on their own sub-mesh (e.g. mesh['tp'])"
-    )
-
-
-def _check_modules(module: Any) -> tuple[nn.Module, ...]:
-    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
-    if not modules:
-        raise ValueError("fully_shard got an empty list of modules; pass a module or a non-empty list")
-    seen: dict[int, int] = {}
-    for index, m in enumerate(modules):
-        if id(m) in seen:
-            raise ValueError(
-                f"fully_shard got the same {type(m).__name__} twice in its list (positions {seen[id(m)]} and "
-                f"{index}); list each module once"
-            )
-        seen[id(m)] = index
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}")
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__[len('FSDP') :]}; "
-                "each module can be sharded once"
-            )
-        if type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its hooks would "
-                "never run. Shard its children instead, e.g. `for block in model.layers: fully_shard(block)`"
-            )
-    return modules
-
-
-def _resolve_policies(
-    mp_policy: Any, offload_policy: Any, comm_policy: Any = None
-) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
-    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
-        raise TypeError(f"comm_policy must be a fsdp2lite.CommPolicy or None, got {type(comm_policy).__name__}")
-    mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)  # torch's too
-    if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a MixedPrecisionPolicy (fsdp2lite's or torch's) or None, got {type(mp_policy).__name__}"
-        )
-    if offload_policy is None:
-        offload_policy = OffloadPolicy()
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            "offload_policy must be an OffloadPolicy (fsdp2lite's or torch's) or None, got "
-            f"{type(offload_policy).__name__}"
-        )
-    return mp_policy, offload_policy
-
-
+# ---- input checks that need the parameters or the mesh (the others: _arguments.py) ----------------
 def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, mesh_info: MeshInfo) -> ParamPolicy:
     """The policies the parameters run under, now that the compute device is known (pinning needs CUDA)."""
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -363,30 +301,22 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
 
 def _check_group_dtypes(
     owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-    policy: ParamPolicy,
+    policies: list[ParamPolicy],
     modules: tuple[nn.Module, ...],
 ) -> None:
-    """One reduce-scatter per group: its trainable parameters must reduce in one dtype (frozen ones of
-    other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather])."""
-    problem = reduce_dtype_problem({fqn: p for fqn, p, _ in owned}, policy.param_dtype, policy.reduce_dtype)
+    """One reduce-scatter per group and policy: the trainable parameters under one policy must reduce in one
+    dtype (frozen ones of other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather]);
+    an override's parameters reduce apart ([Note: per-parameter mixed precision])."""
+    problem = None
+    for policy in dict.fromkeys(policies):
+        named = {fqn: p for (fqn, p, _), own in zip(owned, policies) if own == policy}
+        problem = problem or reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
     if problem is not None:
         owner = ", ".join(type(module).__name__ for module in modules)
         raise ValueError(
             f"fully_shard({owner}): {problem}; pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (or "
             "reduce_dtype=...), freeze the odd ones (requires_grad_(False)), or shard them in separate calls"
         )
-
-
-def _check_ignored(ignored_params: Any) -> set[int]:
-    if ignored_params is None:
-        return set()
-    if not isinstance(ignored_params, Iterable) or isinstance(ignored_params, torch.Tensor):
-        raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
-    ignored = list(ignored_params)
-    for p in ignored:
-        if not isinstance(p, nn.Parameter):
-            raise TypeError(f"ignored_params must hold nn.Parameter objects, got a {type(p).__name__}")
-    return {id(p) for p in ignored}
 
 
 def _walk(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:

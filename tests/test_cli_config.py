@@ -331,6 +331,7 @@ def test_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> No
         "wrap",
         "ignore",
         "shard_placement",
+        "precision_overrides",
         "reduce_scatter_unused_params",
         "schedule",
     ]
@@ -353,6 +354,7 @@ def test_config_reference_doc_is_generated(capsys: pytest.CaptureFixture[str]) -
         "WrapRule",
         "Match",
         "ShardPlacementRule",
+        "PrecisionOverride",
         "ScheduleConfig",
     ]
 

@@ -29,6 +29,7 @@ from .reduce import (
     choose_reduce,
 )
 from .replicas import ReplicaSync
+from .split_reduce import split_if_mixed
 
 
 class GroupChoices:
@@ -106,7 +107,8 @@ class GroupChoices:
         info = self.mesh_info
         group = self.reduce_scatter_group or info.shard_group
         ranks = Ranks(group, info.shard_size, info.shard_rank)
-        self.reduce = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
+        form = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
+        self.reduce = split_if_mixed(self.params, form)  # [Note: per-parameter mixed precision]
 
     def choose_replica_step(self) -> None:
         """What follows the reduce-scatter on a 2-D mesh ([Note: reduce forms])."""

@@ -9,17 +9,16 @@ from collections.abc import Callable
 import torch
 
 from .comm import Comm
-from .grads import to_one_dtype
 from .host_steps import run_post_accumulate_grad_hooks
 from .param import FSDPParam, make_dtensor
 
 
 def take_unsharded_grads(
-    group_params: tuple[FSDPParam, ...], zeros_for_unused: bool, owner: str
+    group_params: tuple[FSDPParam, ...], zeros_for_unused: bool
 ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
-    """The parameters of group ``owner`` with a gradient this backward, and their unsharded gradients in one
-    reduce dtype (``zeros_for_unused``: zeros for trainable parameters that got none,
-    ``set_reduce_scatter_unused_params``)."""
+    """The parameters of a group with a gradient this backward, and their unsharded gradients
+    (``zeros_for_unused``: zeros for trainable parameters that got none, ``set_reduce_scatter_unused_params``).
+    The reduce form brings them to its reduce dtype ([Note: one reduce dtype])."""
     params: list[FSDPParam] = []
     grads: list[torch.Tensor] = []
     for param in group_params:
@@ -29,14 +28,6 @@ def take_unsharded_grads(
         if grad is not None:
             params.append(param)
             grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
-    if len({param.reduce_dtype for param in params}) > 1:  # unfrozen since lazy init
-        listing = ", ".join(f"{p.fqn}: {p.reduce_dtype}" for p in params)
-        raise RuntimeError(
-            f"{owner}: gradients to reduce in several dtypes ({listing}); a group's gradients are one "
-            "reduce-scatter in one dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
-        )
-    if params:
-        to_one_dtype(grads, params[0].reduce_dtype)  # fresh beside accumulated: [Note: one reduce dtype]
     return params, grads
 
 

@@ -56,10 +56,14 @@ class FSDPParamGroup(GroupChoices):
 
     def reduce_dtype_problem(self) -> str | None:
         """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
-        ``requires_grad`` is final), or None."""
-        policy = self.params[0].policy  # one policy per group
-        named = {param.fqn: param.sharded_param for param in self.params}
-        return reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
+        ``requires_grad`` is final), or None: those under one policy reduce in one dtype (parameters of
+        another policy reduce apart: [Note: per-parameter mixed precision])."""
+        for policy in dict.fromkeys(param.policy for param in self.params):
+            named = {param.fqn: param.sharded_param for param in self.params if param.policy == policy}
+            problem = reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
+            if problem is not None:
+                return problem
+        return None
 
     def __init__(
         self,
@@ -280,11 +284,10 @@ class FSDPParamGroup(GroupChoices):
                 param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
-        params, grads = take_unsharded_grads(self.params, self.reduce_scatter_unused_params, str(self))  # only refs
+        params, grads = take_unsharded_grads(self.params, self.reduce_scatter_unused_params)  # the only references
         if not params:
             return
-        dtype = params[0].reduce_dtype  # one per group: fully_shard, lazy init and take_unsharded_grads check
-        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, dtype, self.comm)
+        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, self.comm)
         self.trace("reduce_scatter_issue")
 
     def finish_reduce_scatter(self) -> None:

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm, Ranks
+from .grads import to_one_dtype
 from .param import FSDPParam
 from .quantize import exchange_rows, sum_received
 
@@ -136,6 +137,7 @@ class ReduceScatterResult(NamedTuple):
     work: dist.Work | None
     event: torch.cuda.Event | None
     form: ReduceForm
+    parts: tuple[ReduceScatterResult, ...] = ()  # SplitReduce: one result per reduce dtype
 
 
 class ReduceForm:
@@ -146,14 +148,15 @@ class ReduceForm:
         self.ranks = ranks
         self.allocate = custom.allocate if custom is not None else torch.empty  # set_custom_reduce_scatter
 
-    def issue(
-        self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], dtype: torch.dtype, comm: Comm
-    ) -> ReduceScatterResult:
-        """Lay the unsharded grads out rank-major in one flat buffer (``dtype``) and start the collective.
+    def issue(self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm) -> ReduceScatterResult:
+        """Lay the unsharded grads out rank-major in one flat buffer, in the parameters' one reduce dtype, and
+        start the collective.
 
         Takes the caller's list and empties it once the copy-in has read the grads, so they are freed
         then, not when the reduce-scatter is waited on ([Note: buffer lifetime]).
         """
+        dtype = one_reduce_dtype(params)
+        to_one_dtype(grads, dtype)  # fresh beside accumulated: [Note: one reduce dtype]
         group_numel = sum(p.padded_numel for p in params)
         size = self.ranks.size
         # On the compute stream, where the grads were written: reading them needs no event, and the
@@ -255,6 +258,19 @@ class AllToAllReduce(ReduceForm):
         output = sum_received(result.reduce_scatter_output, self.mode, group_numel, self.block, reduce_dtype)
         comm.release(result.reduce_scatter_input)  # waited on: nothing reads it after this
         return output
+
+
+def one_reduce_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype:
+    """The one dtype ``params``' gradients reduce in (a reduce-scatter sums one dtype); several: an error
+    naming them (parameters unfrozen since lazy init checked; [Note: per-parameter mixed precision] splits)."""
+    dtype = params[0].reduce_dtype
+    if any(param.reduce_dtype != dtype for param in params):
+        listing = ", ".join(f"{p.fqn}: {p.reduce_dtype}" for p in params)
+        raise RuntimeError(
+            f"gradients to reduce in several dtypes ({listing}); a group's gradients are one reduce-scatter in one "
+            "dtype: keep parameters of another dtype frozen, or set a reduce_dtype"
+        )
+    return dtype
 
 
 def choose_reduce(ranks: Ranks, device: torch.device, policy: Any, custom: Any, in_place: bool | None) -> ReduceForm:

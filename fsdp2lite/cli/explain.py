@@ -43,6 +43,7 @@ from ..config import (
     FSDPConfig,
     GroupPlan,
     GroupPolicy,
+    Plan,
     Problem,
     ScheduleConfig,
     join_path,
@@ -78,6 +79,7 @@ class GroupRow:
     unsharded_bytes: int  # the full parameters
     policy: GroupPolicy
     shard_dims: tuple[int, ...] = ()  # per parameter in param_names: the dim it is sharded on
+    precision: tuple[str, ...] = ()  # per overridden parameter: "param_dtype/reduce_dtype" (precision_overrides)
 
     @property
     def is_root(self) -> bool:
@@ -139,7 +141,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     plan = plan_config(model, config)
     ignored = {id(p) for p in plan.ignored.values()}
     owned = plan.params
-    rows = [_group_row(group, params, config, shard, plan.shard_dims) for group, params in zip(plan.groups, owned)]
+    rows = [_group_row(group, params, config, shard, plan) for group, params in zip(plan.groups, owned)]
     unique = dict(model.named_parameters())  # tied parameters once
     total_bytes = sum(param_nbytes(p) for p in unique.values())
     root_ids = {id(p) for p in owned[-1].values()}
@@ -158,9 +160,10 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
 
 
 def _group_row(
-    group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int, dims: dict[str, int]
+    group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int, plan: Plan
 ) -> GroupRow:
-    shard_dims = tuple(dims.get(name, 0) for name in params)
+    shard_dims = tuple(plan.shard_dims.get(name, 0) for name in params)
+    overrides = [plan.precision[name] for name in params if name in plan.precision]
     return GroupRow(
         paths=group.paths,
         rule=rule_label(config, group.rule_index),
@@ -170,7 +173,12 @@ def _group_row(
         unsharded_bytes=sum(param_nbytes(p) for p in params.values()),
         policy=group.policy,
         shard_dims=shard_dims,
+        precision=tuple(f"{_dtype_name(o.param_dtype)}/{_dtype_name(o.reduce_dtype)}" for o in overrides),
     )
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "own" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def rule_label(config: FSDPConfig, rule_index: int | None) -> str:
@@ -329,6 +337,8 @@ def policy_lines(row: GroupRow) -> list[str]:
     other = Counter(d for d in row.shard_dims if d)
     if other:
         flags.append("shard_placement: " + ", ".join(f"Shard({d}) x{n}" for d, n in sorted(other.items())))
+    for text, count in sorted(Counter(row.precision).items()):  # [Note: per-parameter mixed precision]
+        flags.append(f"precision_overrides: {text} x{count}")
     if flags:
         lines.append(" · ".join(flags))
     return lines

@@ -40,12 +40,8 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
         problems += mesh_problems(plan, config, mesh_info_for(mesh).shard_size)
     if problems:
         raise ConfigError("config applied to " + type(model).__name__, problems)
-    snapshot = ModuleSnapshot(model.modules())
-    try:
+    with ModuleSnapshot(model.modules()).all_or_nothing():  # the model is as it was before the call, or sharded
         _shard_plan(model, config, plan, mesh, fully_shard)
-    except BaseException:
-        snapshot.restore()  # all or nothing: the model is as it was before the call
-        raise
     return model
 
 
@@ -83,8 +79,11 @@ def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, ful
     params = dict(model.named_parameters())
     dims = {id(params[name]): dim for name, dim in plan.shard_dims.items()}
     placement_fn = _placement_fn(dims) if dims else None
-    for group in plan.groups:
+    precision = {id(params[name]): policy for name, policy in plan.precision.items()}
+    for group, owned in zip(plan.groups, plan.params):
         kwargs = group.policy.fully_shard_kwargs()
+        if any(id(param) in precision for param in owned.values()):  # [Note: per-parameter mixed precision]
+            kwargs["mp_overrides"] = lambda param: precision.get(id(param))
         target: Any = group.modules[0] if len(group.modules) == 1 else list(group.modules)
         fully_shard(target, mesh, ignored_params=ignored, shard_placement_fn=placement_fn, **kwargs)
         module = group.modules[0]

@@ -64,6 +64,7 @@ class Plan:
     problems: list[Problem] = field(default_factory=list)  # rules that match nothing
     refused: list[Problem] = field(default_factory=list)  # parameters that cannot be sharded as planned
     shard_dims: dict[str, int] = field(default_factory=dict)  # parameter path -> shard dim, for matched ones
+    precision: dict[str, MixedPrecisionPolicy] = field(default_factory=dict)  # parameter path -> its override
 
 
 def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
@@ -115,7 +116,25 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan.refused.extend(_dtype_problems(plan))
     plan.refused.extend(_resident_problems(plan))
     _plan_shard_dims(model, config, plan)
+    _plan_precision(model, config, plan)
     return plan
+
+
+def _plan_precision(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
+    """Each ``precision_overrides`` rule's parameters (first match wins); a rule matching none is a problem."""
+    params = [name for name, _ in model.named_parameters() if name not in plan.ignored]
+    for index, rule in enumerate(config.precision_overrides):
+        hits = [name for name in params if any(fnmatch.fnmatchcase(name, g) for g in as_list(rule.path))]
+        if not hits:
+            plan.problems.append(
+                Problem(
+                    f"precision_overrides.{index}",
+                    f"path {rule.path!r} matches no parameter",
+                    f"parameter names look like: {', '.join(params[:3])}",
+                )
+            )
+        for name in hits:
+            plan.precision.setdefault(name, rule.policy())
 
 
 def _resident_problems(plan: Plan) -> list[Problem]:

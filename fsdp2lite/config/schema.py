@@ -44,6 +44,7 @@ from ..policies import (
     from_torch_policy,
 )
 from .errors import ConfigError, Problem
+from .precision import PrecisionOverride
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 ReshardAfterForward = bool | int | Literal["auto"]
@@ -321,6 +322,9 @@ class FSDPConfig(BaseModel):
     ignore: list[Match] = Field(default_factory=list, description="parameters left unsharded and unreduced")
     shard_placement: list[ShardPlacementRule] = Field(
         default_factory=list, description="parameters sharded on another dim than 0; first match wins"
+    )
+    precision_overrides: list[PrecisionOverride] = Field(
+        default_factory=list, description="parameters with dtypes of their own inside their group; first match wins"
     )
     reduce_scatter_unused_params: bool = Field(
         False, description="reduce zeros for parameters that got no gradient (ranks using different experts)"

@@ -230,8 +230,7 @@ def group_bytes(
     ``pinned``: a CUDA target, where ``pin_memory`` pins (a CPU target's host memory is pageable)."""
     out = []
     for group, params in zip(plan.groups, plan.params):
-        policy = group.policy.mixed_precision
-        reduce_dtype = policy.reduce_dtype or policy.param_dtype
+        group_mp = group.policy.mixed_precision
         sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
         pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
         requests = []  # host buffers of their own (NF4, HFSDP shards): rounded if pinned
@@ -240,6 +239,7 @@ def group_bytes(
         for name, p in params.items():
             dim = plan.shard_dims.get(name, 0)
             padded = _padded_numel(p, shard, dim)  # all-gather layout
+            policy = plan.precision.get(name, group_mp)  # [Note: per-parameter mixed precision]
             compute = padded * element_size(cast_dtype(p, policy.param_dtype))
             if name in nf4:
                 stored, gathered = nf4_bytes(padded // shard), nf4_bytes(padded)
@@ -259,7 +259,7 @@ def group_bytes(
                 file_bytes += _align(stored, FILE_ALIGN)  # optimizer: nvme: a state tensor's region in the file
                 slot_bytes += _align(stored, SLOT_ALIGN)  # and in a staging slot
                 grads += compute
-                reduced += padded * element_size(cast_dtype(p, reduce_dtype))
+                reduced += padded * element_size(cast_dtype(p, policy.reduce_dtype or policy.param_dtype))
         packed += grad_shards  # the group's host gradient buffer: exact too, reused every step
         pinned_sum, exact = packed + sum(pin(n) for n in requests), packed + sum(requests)
         out.append(

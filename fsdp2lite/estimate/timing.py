@@ -259,11 +259,12 @@ def comm_bytes(
             rows = padded_shard // param.element_size()
             override = overrides.get(name)
             stored += padded_shard if override is None else math.ceil(rows * override)
-            gather += _encoded(rows, shard, override, cast_dtype(param, mp.param_dtype), wire.all_gather,
+            own = plan.precision.get(name, mp)  # [Note: per-parameter mixed precision]
+            gather += _encoded(rows, shard, override, cast_dtype(param, own.param_dtype), wire.all_gather,
                                wire.block_size)  # fmt: skip
             if param.requires_grad:
                 trained += padded_shard
-                reduce_dtype = cast_dtype(param, mp.reduce_dtype or mp.param_dtype)
+                reduce_dtype = cast_dtype(param, own.reduce_dtype or own.param_dtype)
                 reduce_rows += rows
                 if wire.reduce_scatter != "int8":
                     scatter += _encoded(rows, shard, None, reduce_dtype, None, wire.block_size)
