@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,6 +23,7 @@ from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
 from .param import FSDPParam
 from .reduce import ReduceScatterResult
+from .seams import Refresher
 from .states import ShardedState, TrainingState
 from .zero import Resident
 
@@ -105,7 +105,7 @@ class FSDPParamGroup(GroupChoices):
         self.custom_reduce_scatter = None
         self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
         self.replicas = None  # HFSDP: [Note: replica-sharded groups]
-        self.refreshers: tuple[Any, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
+        self.refreshers: tuple[Refresher, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         self.set_comm_policy(comm_policy or CommPolicy())
         self.choose_replica_step()
@@ -131,9 +131,10 @@ class FSDPParamGroup(GroupChoices):
             self.resident.invalidate()  # the sharded parameters may be new tensors
         renewed = [param.reset_sharded_param() for param in self.params]  # a list: every parameter looks
         self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
-        for sync in self.refreshers if any(renewed) else ():
-            sync.invalidate()  # the shards the all-gather reads may hold old values
-        self.choose_gather()  # ``module.to(dtype)`` may have changed the dtypes, or renewed the shards
+        if any(renewed):  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
+            for sync in self.refreshers:
+                sync.invalidate()  # the shards the all-gather reads may hold old values
+            self.choose_gather()  # the form's views of the old shards are stale
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""

@@ -15,6 +15,18 @@ from .comm import Comm
 from .param import FSDPParam
 
 
+class Refresher(Protocol):
+    """Where a group's shards are rebuilt from before its all-gather (HFSDP's replica pieces, host masters)."""
+
+    def refresh(self) -> None:
+        """Bring the shards the all-gather reads up to date (before an unshard from the sharded state)."""
+        ...
+
+    def invalidate(self) -> None:
+        """Rebuild every shard at the next refresh."""
+        ...
+
+
 class GroupView(Protocol):
     """The part of ``FSDPParamGroup`` its companions read."""
 

@@ -113,10 +113,10 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     _plan_ignored(model, config, plan, class_names)
     plan.params, refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
     plan.refused.extend(refused)
+    _plan_precision(model, config, plan)
     plan.refused.extend(_dtype_problems(plan))
     plan.refused.extend(_resident_problems(plan))
     _plan_shard_dims(model, config, plan)
-    _plan_precision(model, config, plan)
     return plan
 
 
@@ -156,11 +156,15 @@ def _resident_problems(plan: Plan) -> list[Problem]:
 
 
 def _dtype_problems(plan: Plan) -> list[Problem]:
-    """fully_shard's rule: a group's trainable parameters reduce in one dtype (``reduce_dtype_problem``)."""
+    """fully_shard's rule: a group's trainable parameters under one policy reduce in one dtype
+    (``reduce_dtype_problem``; an override's parameters reduce apart: ``precision_overrides``)."""
     problems = []
     for group, params in zip(plan.groups, plan.params):
-        policy = group.policy.mixed_precision
-        problem = reduce_dtype_problem(params, policy.param_dtype, policy.reduce_dtype)
+        by_policy: dict[MixedPrecisionPolicy, dict[str, nn.Parameter]] = {}
+        for name, param in params.items():
+            by_policy.setdefault(plan.precision.get(name, group.policy.mixed_precision), {})[name] = param
+        found = (reduce_dtype_problem(named, mp.param_dtype, mp.reduce_dtype) for mp, named in by_policy.items())
+        problem = next((p for p in found if p is not None), None)
         if problem is not None:
             label = " + ".join(path or "<root>" for path in group.paths)
             problems.append(
