@@ -11,6 +11,9 @@ whether the host keeps the GPU fed. Steps are forward, loss, backward, AdamW ste
 interleaved (fsdp2lite, torch, torch, fsdp2lite, ...) after warm-up; reported: the median host ms per
 step of each, the median of per-step ratios fsdp2lite / torch (the target is <= 0.9), and the aten ops
 each library dispatches in one step (``_meters.OpCounter``: noise-free, the same on every machine).
+A third model, the same GPT unsharded in fp32 with no FSDP at all, steps in the same interleaving: the floor
+(``ratio_unsharded_vs_torch``), what the model's own forward, backward and AdamW cost here, so a ratio reads
+against what any runtime could reach (issue 43: fsdp2lite 0.77, the floor 0.55).
 
 Why: issue 10. On an H100 fsdp2lite spent about 2x torch's host time per step and left the GPU idle;
 this measures the same gap on any machine, without a GPU.
@@ -56,6 +59,7 @@ import fsdp2lite as fl
 from fsdp2lite.models import GPT, GPTConfig
 
 LIBRARIES = ("fsdp2lite", "torch")
+FLOOR = "unsharded"  # the same model, fp32, no FSDP: what its own ops cost (not a rival)
 TARGET = 0.9  # fsdp2lite's host time per step at most 0.9x torch's (issue 10)
 
 
@@ -79,6 +83,14 @@ def build(
         torch_policy = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in [*units, model]:
             torch_fully_shard(unit, mesh=mesh, mp_policy=torch_policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+
+def _unsharded(cfg: GPTConfig, device: str) -> tuple[GPT, torch.optim.Optimizer]:
+    """The floor: the GPT (seed 0) as it is, fp32, no sharding and no casts, on fake tensors."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
 
@@ -127,10 +139,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     mesh = init_device_mesh(args.device, (args.world_size,), mesh_dim_names=("shard",))  # outside the fake mode
     with FakeTensorMode():  # no torch.device(...) context: its mode would tax every op of both libraries
         models = {name: build(name, cfg, mesh, args.device, args.wrap) for name in LIBRARIES}
+        models[FLOOR] = _unsharded(cfg, args.device)
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device=args.device)
         steps = {name: step_fn(model, opt, tokens) for name, (model, opt) in models.items()}
         times = time_interleaved(steps, args.warmup, args.steps)
-        ops = {name: count_ops(step) for name, step in steps.items()}
+        floor = times.pop(FLOOR)
+        ops = {name: count_ops(steps[name]) for name in LIBRARIES}
         profiles = {name: profile_table(step, 3) for name, step in steps.items()} if args.profile else {}
     n_params = _count_params(cfg)
     ratios = [a / b for a, b in zip(times["fsdp2lite"], times["torch"], strict=True)]
@@ -146,6 +160,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "host_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
         "host_ms_median": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
         "ratio_fsdp2lite_vs_torch": statistics.median(ratios),
+        "unsharded_ms": [1e3 * t for t in floor],
+        "ratio_unsharded_vs_torch": statistics.median(a / b for a, b in zip(floor, times["torch"], strict=True)),
         "ops_per_step": {name: sum(calls.values()) for name, calls in ops.items()},
         "ops_by_name": {name: dict(calls.most_common(15)) for name, calls in ops.items()},
         "target": {"limit": TARGET, "ok": statistics.median(ratios) <= TARGET},
@@ -170,6 +186,11 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
             name, f"{result['host_ms_median'][name]:.1f}", f"{min(ms):.1f}", f"{max(ms):.1f}", ratio,
             str(result["ops_per_step"][name]),
         ])  # fmt: skip
+    floor = result["unsharded_ms"]
+    out.append([
+        f"{FLOOR} (floor)", f"{statistics.median(floor):.1f}", f"{min(floor):.1f}", f"{max(floor):.1f}",
+        f"{result['ratio_unsharded_vs_torch']:.3f}", "",
+    ])  # fmt: skip
     return out
 
 

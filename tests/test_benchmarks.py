@@ -99,6 +99,8 @@ def test_bench_host_runs_both_libraries_on_fake_tensors(tmp_path: Path, capsys: 
     ratios = [a / b for a, b in zip(result["host_ms"]["fsdp2lite"], result["host_ms"]["torch"])]
     assert result["ratio_fsdp2lite_vs_torch"] == pytest.approx(sorted(ratios)[1])
     assert result["target"]["ok"] == (result["ratio_fsdp2lite_vs_torch"] <= bench_host.TARGET)
+    floor = [a / b for a, b in zip(result["unsharded_ms"], result["host_ms"]["torch"])]  # the unsharded model
+    assert len(floor) == 3 and result["ratio_unsharded_vs_torch"] == pytest.approx(sorted(floor)[1])
     assert sorted(Path(f).suffix for f in result["files"]) == [".json", ".md"]
     assert json.loads(Path(result["files"][0]).read_text())["world_size"] == 4
 
