@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from ._runtime.extension import has_extension
 from ._runtime.group import FSDPParamGroup
-from ._runtime.host_masters import HostMasterParam, HostSync
+from ._runtime.host_masters import HostMasters, HostSync
 from ._runtime.nvme import check_nvme_path, make_nvme_state
-from ._runtime.param import FSDPParam, ParamPolicy
-from ._runtime.replicas import ReplicaShardedParam, ReplicaSync
+from ._runtime.param import ParamPolicy, ShardStorage
+from ._runtime.replicas import ReplicaPieces, ReplicaSync
 from ._runtime.zero import Resident, watch_optimizer_steps
 from .mesh import MeshInfo
 from .policies import ShardingPolicy
@@ -94,18 +94,18 @@ def _local(param: nn.Parameter) -> Any:
     return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
 
 
-def param_class(sharding: ShardingPolicy | None, policy: ParamPolicy, param: nn.Parameter) -> type[FSDPParam]:
-    """The class of ``param`` in a group under ``sharding`` and ``policy``: host masters for the trainable
-    parameters only (a frozen one has no gradient or optimizer state: its shard stays where it is, with no
-    host copy; freeze before ``fully_shard``)."""
+def param_storage(sharding: ShardingPolicy | None, policy: ParamPolicy, param: nn.Parameter) -> ShardStorage:
+    """Where ``param``'s shard lives in a group under ``sharding`` and ``policy`` ([Note: shard storage]): host
+    masters for the trainable parameters only (a frozen one has no gradient or optimizer state: its shard stays
+    where it is, with no host copy; freeze before ``fully_shard``)."""
     if policy.host_masters:
-        return HostMasterParam if param.requires_grad else FSDPParam
-    return ReplicaShardedParam if sharding is not None and sharding.replica_sharded else FSDPParam
+        return HostMasters() if param.requires_grad else ShardStorage()
+    return ReplicaPieces() if sharding is not None and sharding.replica_sharded else ShardStorage()
 
 
 def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
     """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
-    if any(isinstance(param, HostMasterParam) for param in group.params):
+    if any(param.storage.grads_on_host for param in group.params):  # host masters
         group.refreshers = (*group.refreshers, HostSync(group))  # [Note: host masters]
         watch_optimizer_steps()  # [Note: fused steps bump no version]
     if group.params[0].policy.nvme_path is not None:

@@ -27,7 +27,7 @@ from ._runtime.identity import sharded_param_ids
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._snapshot import ModuleSnapshot, all_modules
-from ._stages import apply_sharding, check_parameters, param_class
+from ._stages import apply_sharding, check_parameters, param_storage
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policies import (
@@ -194,8 +194,15 @@ def _make_params(
     """The group's parameters, each under its policy (and its MixedPrecisionPolicy, for the all-gather hooks), of
     the class ``sharding`` and the policy ask for (``_stages``)."""
     return tuple(
-        param_class(sharding, policy, param)(
-            param, fqn, tuple(ParamPlace(m, n) for m, n in places), info, policy, dim, mp_policy
+        FSDPParam(
+            param,
+            fqn,
+            tuple(ParamPlace(m, n) for m, n in places),
+            info,
+            policy,
+            dim,
+            mp_policy,
+            storage=param_storage(sharding, policy, param),
         )
         for (fqn, param, places), dim, policy, mp_policy in zip(owned, dims, *policies)
     )

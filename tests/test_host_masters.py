@@ -76,7 +76,7 @@ def scenario_bitwise_full_offload(rank: int, ws: int) -> None:
 def scenario_frozen_base_has_no_master(rank: int, ws: int) -> None:
     """A block frozen before fully_shard (LoRA's base) keeps its shards on the device with no host copy; the
     rest steps bit for bit as under full offload."""
-    from fsdp2lite._runtime.host_masters import HostMasterParam
+    from fsdp2lite._runtime.host_masters import HostMasters
 
     torch.manual_seed(0)
     whole, masters = UnevenMLP(), UnevenMLP()
@@ -86,8 +86,8 @@ def scenario_frozen_base_has_no_master(rank: int, ws: int) -> None:
     shard(FULL)(whole)
     shard(OPTIMIZER_ONLY)(masters)
     root, frozen, trained = _groups(masters)  # modules() order: the root, blocks.0, blocks.1
-    assert frozen.refreshers == () and not any(isinstance(p, HostMasterParam) for p in frozen.params)
-    assert all(isinstance(p, HostMasterParam) for group in (root, trained) for p in group.params)
+    assert frozen.refreshers == () and not any(isinstance(p.storage, HostMasters) for p in frozen.params)
+    assert all(isinstance(p.storage, HostMasters) for group in (root, trained) for p in group.params)
     assert len(root.refreshers) == len(trained.refreshers) == 1
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (whole, masters)]
     for step in range(3):
@@ -139,8 +139,9 @@ def scenario_one_copy_per_step(rank: int, ws: int) -> None:
     for group in _groups(model):
         for param in group.params:
             master = param.sharded_param._local_tensor
-            assert master.untyped_storage().data_ptr() == param.host_padded.untyped_storage().data_ptr()
-            assert param.padded_shard.untyped_storage().data_ptr() != param.host_padded.untyped_storage().data_ptr()
+            host = param.storage.host_padded
+            assert master.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+            assert param.padded_shard.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     syncs = _syncs(model)
     for step in range(3):
@@ -153,7 +154,7 @@ def scenario_one_copy_per_step(rank: int, ws: int) -> None:
             mlp_loss(model, mlp_batch(step, rank))
             mlp_loss(model, mlp_batch(step, rank))  # nothing changed: no second copy
         assert [sync.copies for sync in syncs] == [step + 1] * len(syncs)
-    padded = sum(p.host_padded.nbytes for group in _groups(model) for p in group.params)
+    padded = sum(p.storage.host_padded.nbytes for group in _groups(model) for p in group.params)
     assert sum(sync.copied_bytes for sync in syncs) == 3 * padded  # one padded shard per parameter per step
 
 
@@ -267,7 +268,7 @@ def _run_on_gpu(rank: int, ws: int) -> None:
     shard(fl.CPUOffloadPolicy(optimizer_only=True), mesh)(model)
     for group in _groups(model):
         for param in group.params:
-            assert param.padded_shard.is_cuda and param.host_padded.is_pinned()
+            assert param.padded_shard.is_cuda and param.storage.host_padded.is_pinned()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     for step in range(3):
         batch = tuple(t.cuda() for t in mlp_batch(step, rank))

@@ -27,7 +27,7 @@ def take_unsharded_grads(
             grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
         if grad is not None:
             params.append(param)
-            grads.append(param.dim0_chunkable_grad(grad) if param.shard_dim else grad)
+            grads.append(dim0_chunkable_grad(param, grad) if param.shard_dim else grad)
     return params, grads
 
 
@@ -92,3 +92,18 @@ def accumulate_sharded_grads(
     # [Note: host steps off backward's thread]
     run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
     return offload_event
+
+
+def dim0_chunkable_grad(param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, sharded on dim d != 0 rearranged so that chunking it on dim 0 (what the
+    reduce-scatter copy-in does for the whole group) gives the padded chunks along d: padded to
+    ``shard_size * padded_rows`` along d, then ``(shard_size, chunk numel)`` rank-major. Dim 0 as is."""
+    d = param.shard_dim
+    if d == 0:
+        return grad
+    ws, rows = param.mesh_info.shard_size, param.padded_rows
+    pad = ws * rows - grad.shape[d]
+    if pad:
+        grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - d) + [0, pad])
+    split = (*grad.shape[:d], ws, rows, *grad.shape[d + 1 :])
+    return grad.reshape(split).movedim(d, 0).reshape(ws, -1)

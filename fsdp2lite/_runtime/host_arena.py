@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_masters import HostMasterParam
 from .param import FSDPParam
 from .pinned import exact_host_bytes
 from .seams import GroupView
@@ -51,11 +50,7 @@ class HostArena:
 
 def host_tensor(param: FSDPParam) -> torch.Tensor | None:
     """The host tensor of ``param`` that the group's buffer holds, or None (not offloaded, hooked, HFSDP)."""
-    if type(param) is HostMasterParam:
-        return param.host_padded
-    if type(param) is FSDPParam and param.offload_to_cpu and param.extension is None:
-        return param.padded_shard
-    return None
+    return param.storage.host_tensor(param)
 
 
 def pack_host_shards(group: GroupView, arena: HostArena | None) -> HostArena | None:
@@ -85,9 +80,5 @@ def _inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 def _adopt(param: FSDPParam, view: torch.Tensor) -> None:
     """Point ``param`` (and its registered DTensor) at ``view``, its host tensor's new home."""
-    if isinstance(param, HostMasterParam):
-        param.host_padded = view
-        param.local_view = view.narrow(param.shard_dim, 0, param.local_rows)
-    else:
-        param._adopt_padded_shard(view)
+    param.storage.adopt_host(param, view)
     param.sharded_param._local_tensor = param.local_view  # type: ignore[attr-defined]

@@ -23,72 +23,67 @@ host holds the masters, their gradients and the optimizer state.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .param import FSDPParam, make_dtensor
+from .param import FSDPParam, ShardStorage
 from .seams import GroupView
 from .zero import ShardWatch
 
 
-class HostMasterParam(FSDPParam):
-    """A parameter whose padded shard stays on the device and whose registered shard is a host copy."""
+class HostMasters(ShardStorage):
+    """The storage of a trainable parameter under ``optimizer_only``: its padded shard stays on the device, its
+    registered shard is a host copy, the master ([Note: host masters], [Note: shard storage])."""
 
-    host_padded: torch.Tensor  # the master: padded_shard's twin on the host (pinned when asked)
+    grads_on_host = True
+    host_padded: torch.Tensor  # the master: padded_shard's twin on the host (pinned by the group's buffer)
 
-    def __init__(self, param: nn.Parameter, *args: Any, **kwargs: Any) -> None:
-        super().__init__(param, *args, **kwargs)
-        device = self.mesh_info.device
-        if self.padded_shard.device.type not in ("meta", device.type):  # host parameters on a device mesh
-            self._adopt_padded_shard(self.padded_shard.to(device))
-        self._register_master(self._host_twin(self.padded_shard), param.requires_grad)
+    def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
+        device = param.mesh_info.device
+        if param.padded_shard.device.type not in ("meta", device.type):  # host parameters on a device mesh
+            param._adopt_padded_shard(param.padded_shard.to(device))
+        self.host_padded = _host_twin(param.padded_shard)
+        return self.host_padded.narrow(param.shard_dim, 0, param.local_rows), param.sharded_spec
 
-    @property
-    def grads_on_host(self) -> bool:
-        return True
+    def host_tensor(self, param: FSDPParam) -> torch.Tensor | None:
+        return self.host_padded
 
-    def _host_twin(self, shard: torch.Tensor) -> torch.Tensor:
-        """A pageable host copy of ``shard``: the group packs its masters into one buffer, the one it pins
-        ([Note: one host buffer per group])."""
-        if shard.device.type == "meta":
-            return torch.empty_like(shard)
-        return torch.empty(shard.shape, dtype=shard.dtype).copy_(shard)
+    def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
+        self.host_padded = view
+        param.local_view = view.narrow(param.shard_dim, 0, param.local_rows)
 
-    def _register_master(self, host: torch.Tensor, requires_grad: bool) -> None:
-        self.host_padded = host
-        local = host.narrow(self.shard_dim, 0, self.local_rows)
-        sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=requires_grad)
-        self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it
-        self.sharded_param = sharded  # type: ignore[assignment]
-        self._set_on_modules(sharded)
-
-    def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
+    def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full value, on the host like the master (no communication)."""
-        start = min(self.mesh_info.shard_rank * self.padded_rows, full.shape[self.shard_dim])
-        local = full.detach().narrow(self.shard_dim, start, self.local_rows)
-        return make_dtensor(local.to("cpu", self.orig_dtype), self.sharded_spec)
+        start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[param.shard_dim])
+        return full.detach().narrow(param.shard_dim, start, param.local_rows).to("cpu", param.orig_dtype)
 
-    def reset_sharded_param(self) -> bool:
+    def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
         """A new local tensor (``to_empty``, ``module.to``, an assigning load) becomes the master: copied into a
         host buffer of its dtype, with a device shard of that dtype beside it (filled at the next unshard)."""
-        local = self._new_local()
-        if local is None:
-            return False
-        device = self.mesh_info.device if local.device.type != "meta" else local.device
-        shard = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
-        if device.type != "meta" and self.local_rows:
-            shard.narrow(self.shard_dim, 0, self.local_rows).copy_(local.detach())
-        self._adopt_padded_shard(shard)
-        self.host_padded = self._host_twin(shard)
-        self.local_view = self.host_padded.narrow(self.shard_dim, 0, self.local_rows)
-        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
-        if local.dtype != self.orig_dtype:
-            self._retype(local.dtype)
-        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+        device = param.mesh_info.device if local.device.type != "meta" else local.device
+        shard = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
+        if device.type != "meta" and param.local_rows:
+            shard.narrow(param.shard_dim, 0, param.local_rows).copy_(local.detach())
+        param._adopt_padded_shard(shard)
+        self.host_padded = _host_twin(shard)
+        param.local_view = self.host_padded.narrow(param.shard_dim, 0, param.local_rows)
         return True
+
+
+def _host_twin(shard: torch.Tensor) -> torch.Tensor:
+    """A pageable host copy of ``shard``: the group packs its masters into one buffer, the one it pins
+    ([Note: one host buffer per group])."""
+    if shard.device.type == "meta":
+        return torch.empty_like(shard)
+    return torch.empty(shard.shape, dtype=shard.dtype).copy_(shard)
+
+
+def master(param: FSDPParam) -> torch.Tensor:
+    """The host master of a parameter with ``HostMasters`` storage."""
+    storage = param.storage
+    if not isinstance(storage, HostMasters):
+        raise RuntimeError(f"{param.fqn}: a host master asked of a parameter without one")
+    return storage.host_padded
 
 
 class HostSync:
@@ -96,7 +91,7 @@ class HostSync:
 
     def __init__(self, group: GroupView) -> None:
         self.group = group
-        self.watch = ShardWatch([p for p in group.params if isinstance(p, HostMasterParam)])  # frozen: none
+        self.watch = ShardWatch([p for p in group.params if p.storage.grads_on_host])  # frozen ones have none
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
 
@@ -107,8 +102,9 @@ class HostSync:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""
         due = self.watch.due()
         for param in due:
-            param.padded_shard.copy_(param.host_padded, non_blocking=param.host_padded.is_pinned())
-            self.copied_bytes += param.host_padded.nbytes
+            host = master(param)
+            param.padded_shard.copy_(host, non_blocking=host.is_pinned())
+            self.copied_bytes += host.nbytes
         if due:
             self.copies += 1
             self.group.trace("host_to_device_masters")

@@ -45,10 +45,10 @@ from .extension import (
     carry_instance_hooks,
     contiguous_stride,
     ensure_allocated,
-    find_hooks,
     has_extension,
 )
 from .grads import GradientState
+from .hook_state import HookState
 from .identity import original_uid
 from .pinned import host_buffer
 
@@ -97,7 +97,71 @@ class ParamPlace:
     name: str
 
 
-class FSDPParam(GradientState):
+class ShardStorage:
+    """Where a parameter's padded shard lives and what the modules hold of it ([Note: shard storage]).
+
+    This base is ZeRO-3's, CPU offload's host shards included: the registered DTensor's local tensor is this
+    rank's rows of the padded shard, the one the all-gather reads. Strategies (not parameter classes) change
+    that: HFSDP's replica pieces (``replicas.ReplicaPieces``), host masters (``host_masters.HostMasters``).
+    One object per parameter, chosen at ``fully_shard`` (``_stages.param_storage``)."""
+
+    grads_on_host = False  # reduced gradients go to the host without CPU offload (host masters)
+    pinned_alone = False  # an offloaded shard pinned by itself, not in its group's host buffer (HFSDP chunks)
+
+    def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
+        """The local tensor and spec the sharded parameter is made of, once the padded shard exists."""
+        return param.local_view, param.sharded_spec
+
+    def host_tensor(self, param: FSDPParam) -> torch.Tensor | None:
+        """What the group's one host buffer holds of this parameter ([Note: one host buffer per group]), or None."""
+        offloaded = param.offload_to_cpu and param.extension is None and not self.pinned_alone
+        return param.padded_shard if offloaded else None
+
+    def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
+        """``view`` (of the group's host buffer, a copy of ``host_tensor``) becomes that tensor's home."""
+        param._adopt_padded_shard(view)
+
+    def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
+        """Shape of the registered local tensor (and of its sharded gradient)."""
+        shape = list(param.gather_shape)
+        shape[param.shard_dim] = param.local_rows
+        return tuple(shape)
+
+    def grad_stride(self, param: FSDPParam) -> tuple[int, ...]:
+        """Strides of this rank's sharded gradient, a view of the reduced output."""
+        hooked = param.extension is not None
+        return contiguous_stride(self.local_shape(param)) if hooked else param.local_view.stride()
+
+    def reduced_numel(self, param: FSDPParam) -> int:
+        """Elements of this parameter's slot in its group's reduced gradient."""
+        return param.padded_numel
+
+    def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor cut from a full value, where the registered one lives (no communication)."""
+        start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[param.shard_dim])
+        local = full.detach().narrow(param.shard_dim, start, param.local_rows)
+        return local.to(param.padded_shard.device, param.orig_dtype)
+
+    def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
+        """A new local tensor (``to_empty``, ``module.to``, an assigning load) copied into a new padded shard
+        that ``param.local_view`` views; True when the unsharded parameter must be made anew regardless."""
+        if param.extension is not None:
+            param._adopt_hooked_shard(param.extension.pad(local.detach(), param.padded_shape, param.local_rows))
+        else:
+            param._adopt_padded_shard(param._new_padded_shard(local.detach()))
+        return False
+
+
+# [Note: shard storage]
+# Every parameter is one ``FSDPParam`` whatever its ZeRO stage: what differs between ZeRO-3, HFSDP's replica
+# pieces and host masters is which tensor the modules hold (a view of the padded shard, a piece of it, a host
+# copy of it), its spec, its gradient's layout and how a renewed local tensor is taken in. That is the
+# parameter's ``storage`` (``ShardStorage`` and its strategies), asked at those points; the sharded Parameter
+# is made once, from what the storage registers. Where the group keeps its shards fresh (HFSDP's replica
+# all-gather, host masters' copy to the device, ZeRO-1/2's kept storage) stays with the group's refreshers.
+
+
+class FSDPParam(GradientState, HookState):
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
@@ -128,6 +192,7 @@ class FSDPParam(GradientState):
     policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
     extension: AllGatherExtension | None  # torch's all-gather extension hooks: [Note: all-gather extension]
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
+    storage: ShardStorage  # where the shard lives and what is registered: [Note: shard storage]
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
     # the gradient methods: GradientState (grads.py)
@@ -141,8 +206,11 @@ class FSDPParam(GradientState):
         policy: ParamPolicy,
         shard_dim: int = 0,
         mp_policy: Any = None,
+        *,
+        storage: ShardStorage | None = None,
     ) -> None:
         self.fqn = fqn
+        self.storage = storage or ShardStorage()
         self.places = places
         self.orig_shape = param.shape
         self.orig_dtype = param.dtype
@@ -177,7 +245,8 @@ class FSDPParam(GradientState):
             self._adopt_hooked_shard(self.extension.shard(data, mesh_info, self.padded_shape, self.local_rows))
         else:
             self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
-        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
+        local, self.sharded_spec = self.storage.register(self)  # [Note: shard storage]
+        sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=param.requires_grad)
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it: the same view
         self.sharded_param = cast(DTensor, sharded)
         self.unsharded_flat = None
@@ -217,7 +286,8 @@ class FSDPParam(GradientState):
         return padded
 
     def _pin(self, device: torch.device) -> bool:
-        return self.offload_to_cpu and self.pin_memory and device.type == "cpu" and type(self) is not FSDPParam
+        """Pinned by itself: only a shard outside its group's host buffer ([Note: one host buffer per group])."""
+        return self.offload_to_cpu and self.pin_memory and device.type == "cpu" and self.storage.pinned_alone
 
     def _adopt_padded_shard(self, padded: torch.Tensor) -> None:
         """Make ``padded`` the shard, with the views the hot path reads made once here."""
@@ -238,9 +308,7 @@ class FSDPParam(GradientState):
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,
         every rank slices the full tensor it was given (``load_state_dict`` of full state dicts)."""
-        start = min(self.mesh_info.shard_rank * self.padded_rows, full.shape[self.shard_dim])
-        local = full.detach().narrow(self.shard_dim, start, self.local_rows)
-        return make_dtensor(local.to(self.padded_shard.device, self.orig_dtype), self.sharded_spec)
+        return make_dtensor(self.storage.local_of_full(self, full), self.sharded_spec)
 
     def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:
@@ -256,18 +324,18 @@ class FSDPParam(GradientState):
     @property
     def grads_on_host(self) -> bool:
         """Reduced gradients are copied to the host (CPU offload; host masters too)."""
-        return self.offload_to_cpu
+        return self.offload_to_cpu or self.storage.grads_on_host
 
     @property
     def reduced_numel(self) -> int:
         """Elements of this parameter's slot in its group's reduced gradient: its padded shard's (HFSDP: its
         piece's slot)."""
-        return self.padded_numel
+        return self.storage.reduced_numel(self)
 
     @property
     def grad_stride(self) -> tuple[int, ...]:
         """Strides of this rank's sharded gradient, a view of the reduced output."""
-        return contiguous_stride(self.local_shape) if self.extension is not None else self.local_view.stride()
+        return self.storage.grad_stride(self)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -278,10 +346,8 @@ class FSDPParam(GradientState):
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        """Shape of this rank's unpadded shard (and of its sharded gradient)."""
-        shape = list(self.gather_shape)
-        shape[self.shard_dim] = self.local_rows
-        return tuple(shape)
+        """Shape of this rank's registered local tensor (and of its sharded gradient)."""
+        return self.storage.local_shape(self)
 
     @property
     def device(self) -> torch.device:
@@ -298,16 +364,14 @@ class FSDPParam(GradientState):
         local = self._new_local()
         if local is None:
             return False  # still the view made here: in-place writes (optimizer, load_state_dict) land in the shard
-        if self.extension is not None:
-            self._adopt_hooked_shard(self.extension.pad(local.detach(), self.padded_shape, self.local_rows))
-        else:
-            self._adopt_padded_shard(self._new_padded_shard(local.detach()))
+        remake = self.storage.renew(self, local)  # [Note: shard storage]
         self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
         carry_instance_hooks(local, self.local_view)  # [Note: hooks looked up per all-gather]
         if local.dtype != self.orig_dtype:
             self._retype(local.dtype)
-        if self.unsharded_param is not None and (
-            self.unsharded_param.device != self.device or self.unsharded_param.dtype != self.param_dtype
+        if remake or (
+            self.unsharded_param is not None
+            and (self.unsharded_param.device != self.device or self.unsharded_param.dtype != self.param_dtype)
         ):
             self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
         return True
@@ -394,44 +458,6 @@ class FSDPParam(GradientState):
             target.narrow(d, full * rows, rest).copy_(chunks.select(d, full).narrow(d, 0, rest))
         self.unsharded_flat.untyped_storage().resize_(0)
 
-    def extension_inputs(self) -> list[torch.Tensor]:
-        """This rank's all-gather inputs from the subclass's pre-all-gather hook (flat, plain tensors)."""
-        if self.extension is None:
-            raise RuntimeError(f"{self.fqn}: extension_inputs() on a parameter without all-gather hooks")
-        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]  # where the hooks are looked up
-        module = self.places[0].module
-        shard = self.padded_shard  # offloaded: its copy on the device ([Note: offloaded hooked parameters])
-        if self.offload_to_cpu:
-            shard = self.extension.to_device(shard, self.device)
-        mesh, shape = self.mesh_info.shard_mesh, self.orig_shape
-        return self.extension.inputs(shard, local, mesh, shape, module=module, mp_policy=self.mp_policy)
-
-    def sync_extension(self, quantized: bool) -> bool:
-        """Look the all-gather hooks up on the local tensor, as torch does at every all-gather, so hooks set
-        or removed after ``fully_shard`` take effect; True when they changed, and then the parameter gathers
-        the new way, its unsharded tensor made anew ([Note: hooks looked up per all-gather])."""
-        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
-        pre, post = find_hooks(local)
-        current = self.extension
-        if current.same_hooks(pre, post) if current is not None else pre is None and post is None:
-            return False
-        extension = AllGatherExtension(local, self.fqn) if pre is not None or post is not None else None
-        if extension is not None:  # raises before anything changes
-            extension.check_supported(self.shard_dim, self.tp_spec is not None, quantized)
-        self.extension = extension
-        self.flat_shard = self.padded_shard if extension is not None else self.padded_shard.view(-1)
-        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
-        return True
-
-    def finish_extension(self) -> None:
-        """After the copy-out into the extension's output buffers: build or refill the unsharded tensor."""
-        if self.extension is None:
-            raise RuntimeError(f"{self.fqn}: finish_extension() on a parameter without all-gather hooks")
-        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
-        made = self.extension.unsharded(local, self.param_dtype, self.orig_shape, self.unsharded_param)
-        if made is not None:
-            self.unsharded_param = nn.Parameter(made, requires_grad=self.sharded_param.requires_grad)
-
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules (only the group's
         ``_to_unsharded`` calls it: the group's state is the parameters')."""
@@ -453,20 +479,6 @@ class FSDPParam(GradientState):
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and self.shard_dim != 0:
             self.unsharded_local.untyped_storage().resize_(0)
-
-    def dim0_chunkable_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient sharded on dim d != 0 rearranged so that chunking it on dim 0 (what the
-        reduce-scatter copy-in does for the whole group) gives the padded chunks along d: padded to
-        ``shard_size * padded_rows`` along d, then ``(shard_size, chunk numel)`` rank-major. Dim 0 as is."""
-        d = self.shard_dim
-        if d == 0:
-            return grad
-        ws, rows = self.mesh_info.shard_size, self.padded_rows
-        pad = ws * rows - grad.shape[d]
-        if pad:
-            grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - d) + [0, pad])
-        split = (*grad.shape[:d], ws, rows, *grad.shape[d + 1 :])
-        return grad.reshape(split).movedim(d, 0).reshape(ws, -1)
 
     # ---- gradients (the rest: grads.py) -----------------------------------------------------
     def zero_unsharded_grad(self) -> torch.Tensor:

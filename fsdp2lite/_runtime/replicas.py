@@ -32,17 +32,15 @@ used stale: a forward always sees what the optimizer wrote.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .comm import all_gather_flat
 from .extension import contiguous_stride
-from .param import FSDPParam, make_dtensor
+from .param import FSDPParam, ShardStorage
 from .pinned import host_buffer
 from .reduce import _reduce_scatter_flat, reduces_in_place
 from .seams import GroupView
@@ -58,74 +56,64 @@ def piece_rows(local_rows: int, replicas: int, replica: int) -> tuple[int, int, 
     return start, max(0, min(slot, local_rows - start)), slot
 
 
-class ReplicaShardedParam(FSDPParam):
-    """A parameter of an HFSDP group: the chunk as HSDP's, a piece of it registered ([Note: replica-sharded groups])."""
+class ReplicaPieces(ShardStorage):
+    """HFSDP's storage: the chunk as HSDP's, a piece of it registered ([Note: replica-sharded groups],
+    [Note: shard storage])."""
 
+    pinned_alone = True  # the chunk is pinned by itself under CPU offload, outside the group's host buffer
     piece_start: int  # the piece's first row in the chunk
     piece_rows: int  # its rows (0 for a replica past the chunk's end)
     slot_rows: int  # rows of every replica's slot in the replica collectives: ceil(local_rows / R)
 
-    def __init__(self, param: nn.Parameter, *args: Any, **kwargs: Any) -> None:
-        super().__init__(param, *args, **kwargs)
-        info = self.mesh_info
+    def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
+        info = param.mesh_info
         replica = info.mesh.get_local_rank(0)
-        self.piece_start, self.piece_rows, self.slot_rows = piece_rows(self.local_rows, info.replicate_size, replica)
-        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
+        self.piece_start, self.piece_rows, self.slot_rows = piece_rows(param.local_rows, info.replicate_size, replica)
+        meta = TensorMeta(param.orig_shape, contiguous_stride(param.orig_shape), param.orig_dtype)
         placements = (_StridedShard(0, split_factor=info.shard_size), Shard(0))
-        self.sharded_spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
-        self.local_view = self.padded_shard.narrow(0, self.piece_start, self.piece_rows)
-        sharded = nn.Parameter(make_dtensor(self.local_view, self.sharded_spec), requires_grad=param.requires_grad)
-        self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it
-        self.sharded_param = sharded  # type: ignore[assignment]
-        self._set_on_modules(sharded)
+        spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
+        return param.padded_shard.narrow(0, self.piece_start, self.piece_rows), spec
 
-    @property
-    def row_numel(self) -> int:
-        """Elements of one row along dim 0."""
-        return self.gather_shape.numel() // max(self.gather_shape[0], 1)
+    def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
+        return (self.piece_rows, *param.gather_shape[1:])
 
-    @property
-    def reduced_numel(self) -> int:
+    def grad_stride(self, param: FSDPParam) -> tuple[int, ...]:
+        return contiguous_stride(self.local_shape(param))
+
+    def reduced_numel(self, param: FSDPParam) -> int:
         """Elements of this parameter's slot in the replica reduce-scatter's output."""
-        return self.slot_rows * self.row_numel
+        return self.slot_rows * (param.gather_shape.numel() // max(param.gather_shape[0], 1))
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.piece_rows, *self.gather_shape[1:])
-
-    @property
-    def grad_stride(self) -> tuple[int, ...]:
-        return contiguous_stride(self.local_shape)
-
-    def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
+    def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full value (``load_state_dict`` of a full state dict), no communication."""
-        chunk_start = min(self.mesh_info.shard_rank * self.padded_rows, full.shape[0])
+        chunk_start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[0])
         local = full.detach().narrow(0, chunk_start + self.piece_start, self.piece_rows)
-        return make_dtensor(local.to(self.padded_shard.device, self.orig_dtype), self.sharded_spec)
+        return local.to(param.padded_shard.device, param.orig_dtype)
 
-    def reset_sharded_param(self) -> bool:
-        """As ``FSDPParam.reset_sharded_param``: a new local tensor (``to_empty``, ``module.to``, an assigning
-        load) is written into its rows of a chunk of its dtype, and the DTensor points back at that view.
-        The chunk's other rows then hold old (or no) values: the group gathers them at its next unshard."""
-        local = self._new_local()
-        if local is None:
-            return False
-        device = torch.device("cpu") if self.offload_to_cpu and local.device.type != "meta" else local.device
-        if self._pin(device):  # [Note: pinning fails]
-            chunk = host_buffer(self.padded_shape, local.dtype, pin=True, zero=True)
+    def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
+        """A new local tensor (``to_empty``, ``module.to``, an assigning load) is written into its rows of a chunk
+        of its dtype, and the DTensor points back at that view. The chunk's other rows then hold old (or no)
+        values: the group gathers them at its next unshard."""
+        device = torch.device("cpu") if param.offload_to_cpu and local.device.type != "meta" else local.device
+        if param._pin(device):  # [Note: pinning fails]
+            chunk = host_buffer(param.padded_shape, local.dtype, pin=True, zero=True)
         else:
-            chunk = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
+            chunk = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
         if device.type != "meta":
-            if self.padded_shard.device.type != "meta":
-                chunk.copy_(self.padded_shard)
+            if param.padded_shard.device.type != "meta":
+                chunk.copy_(param.padded_shard)
             chunk.narrow(0, self.piece_start, self.piece_rows).copy_(local.detach())
-        self._adopt_padded_shard(chunk)
-        self.local_view = chunk.narrow(0, self.piece_start, self.piece_rows)
-        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
-        if local.dtype != self.orig_dtype:
-            self._retype(local.dtype)
-        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+        param._adopt_padded_shard(chunk)
+        param.local_view = chunk.narrow(0, self.piece_start, self.piece_rows)
         return True
+
+
+def pieces(param: FSDPParam) -> ReplicaPieces:
+    """The replica pieces of a parameter of an HFSDP group (its storage, made by ``_stages``)."""
+    storage = param.storage
+    if not isinstance(storage, ReplicaPieces):
+        raise RuntimeError(f"{param.fqn}: in a replica-sharded group without replica pieces")
+    return storage
 
 
 class ReplicaSync:
@@ -152,13 +140,14 @@ class ReplicaSync:
             self.group.trace("replica_all_gather")
         self.watch.record()
 
-    def _all_gather(self, params: list[ReplicaShardedParam]) -> None:
+    def _all_gather(self, params: list[FSDPParam]) -> None:
         """One all-gather (as bytes: the parameters may differ in dtype) of the pieces into the chunks."""
         info, comm = self.group.mesh_info, self.group.comm
         sizes = [p.reduced_numel * p.padded_shard.element_size() for p in params]
         send = torch.zeros(sum(sizes), dtype=torch.uint8, device=comm.device)
         for param, piece in zip(params, send.split(sizes)):
-            rows = param.padded_shard.narrow(0, param.piece_start, param.piece_rows)
+            own = pieces(param)
+            rows = param.padded_shard.narrow(0, own.piece_start, own.piece_rows)
             piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
         received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
         all_gather_flat(received, send, group=self.replicate_group)
@@ -166,7 +155,7 @@ class ReplicaSync:
         comm.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
         for param, columns in zip(params, received.split(sizes, dim=1)):
             chunks = columns.contiguous().view(param.padded_shard.dtype)
-            rows = chunks.view(info.replicate_size * param.slot_rows, *param.gather_shape[1:])
+            rows = chunks.view(info.replicate_size * pieces(param).slot_rows, *param.gather_shape[1:])
             param.padded_shard.narrow(0, 0, param.local_rows).copy_(rows[: param.local_rows])
 
     def reduce_scatter(self, output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.Tensor:
@@ -178,7 +167,7 @@ class ReplicaSync:
         blocks = []
         for param, slot in zip(params, output.split([p.padded_numel for p in params])):
             rows = slot.view(param.padded_rows, -1)
-            want = replicas * param.slot_rows  # type: ignore[attr-defined]
+            want = replicas * pieces(param).slot_rows
             short = want - rows.shape[0]
             rows = torch.nn.functional.pad(rows, (0, 0, 0, short)) if short > 0 else rows[:want]
             blocks.append(rows.reshape(replicas, -1))

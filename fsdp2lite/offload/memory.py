@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2lite._runtime.host_arena import host_tensor
-from fsdp2lite._runtime.host_masters import HostMasterParam
 from fsdp2lite.module import FSDPModule
 
 
@@ -75,7 +74,7 @@ def host_memory(model: nn.Module) -> HostMemory:
 
 def _own_host_tensor(param: Any) -> torch.Tensor | None:
     """An offloaded parameter's host shard outside its group's packed buffer (hooked, HFSDP), or None."""
-    if isinstance(param, HostMasterParam) or not param.offload_to_cpu:
+    if not param.offload_to_cpu:  # host masters: their host tensors are in the group's buffer
         return None
     shard = param.padded_shard
     return shard if shard.device.type == "cpu" else None
