@@ -106,7 +106,7 @@ def param_storage(sharding: ShardingPolicy | None, policy: ParamPolicy, param: n
 def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> None:
     """Make a new group resident (ZeRO-1/2), replica-sharded (HFSDP), with host masters, as asked."""
     if any(param.storage.grads_on_host for param in group.params):  # host masters
-        group.refreshers = (*group.refreshers, HostSync(group))  # [Note: host masters]
+        group.add_storage(HostSync(group))  # [Note: host masters]
         watch_optimizer_steps()  # [Note: fused steps bump no version]
     if group.params[0].policy.nvme_path is not None:
         make_nvme_state(group)  # [Note: optimizer state on NVMe]
@@ -114,10 +114,10 @@ def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> No
         return
     if sharding.resident:
         group.set_reshard_after_forward(False)  # kept through forward: [Note: resident groups]
-        group.resident = Resident(group)
+        group.add_storage(Resident(group))
         watch_optimizer_steps()
     if sharding.replica_sharded:
         group.replicas = ReplicaSync(group)  # [Note: replica-sharded groups]
-        group.refreshers = (*group.refreshers, group.replicas)
+        group.add_storage(group.replicas)
         group.choose_replica_step()
         watch_optimizer_steps()

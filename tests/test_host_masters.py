@@ -36,7 +36,7 @@ def _groups(model: nn.Module) -> list:
 
 
 def _syncs(model: nn.Module) -> list:
-    return [sync for group in _groups(model) for sync in group.refreshers]
+    return [sync for group in _groups(model) for sync in group.storages]
 
 
 def scenario_parity_with_ddp(rank: int, ws: int) -> None:
@@ -86,9 +86,9 @@ def scenario_frozen_base_has_no_master(rank: int, ws: int) -> None:
     shard(FULL)(whole)
     shard(OPTIMIZER_ONLY)(masters)
     root, frozen, trained = _groups(masters)  # modules() order: the root, blocks.0, blocks.1
-    assert frozen.refreshers == () and not any(isinstance(p.storage, HostMasters) for p in frozen.params)
+    assert frozen.storages == () and not any(isinstance(p.storage, HostMasters) for p in frozen.params)
     assert all(isinstance(p.storage, HostMasters) for group in (root, trained) for p in group.params)
-    assert len(root.refreshers) == len(trained.refreshers) == 1
+    assert len(root.storages) == len(trained.storages) == 1
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (whole, masters)]
     for step in range(3):
         losses = []
@@ -218,7 +218,7 @@ def scenario_checkpoint_and_policy_file(rank: int, ws: int) -> None:
     rules = [{"match": {"class": "Block"}, "offload": {"device": "cpu", "pin_memory": False, "optimizer_only": True}}]
     model = tiny_gpt()
     fl.apply_config(model, fl.FSDPConfig.model_validate({"wrap": rules}))
-    assert [len(group.refreshers) for group in _groups(model)] == [0, 1, 1]  # the root, then the blocks
+    assert [len(group.storages) for group in _groups(model)] == [0, 1, 1]  # the root, then the blocks
 
 
 def scenario_refusals(rank: int, ws: int) -> None:

@@ -384,7 +384,7 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
             assert group.reshard_after_forward_requested == (False if expected.get("resident") else requested)
         dtype = expected["param_dtype"] or torch.float32
         assert all(p.param_dtype == dtype for p in group.params), name
-        assert (group.resident is not None) == expected.get("resident", False), name
+        assert group.keeps_unsharded == expected.get("resident", False), name
         host_masters = expected.get("optimizer_only", False)  # ZeRO-Offload: shards on the device, masters on the host
         assert all(p.offload_to_cpu == (expected["offload"] == "cpu" and not host_masters) for p in group.params)
         assert all(p.policy.host_masters == host_masters for p in group.params), name

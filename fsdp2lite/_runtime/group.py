@@ -23,9 +23,8 @@ from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
 from .param import FSDPParam
 from .reduce import ReduceScatterResult
-from .seams import Refresher
+from .seams import GroupStorage
 from .states import ShardedState, TrainingState
-from .zero import Resident
 
 
 class FSDPParamGroup(GroupChoices):
@@ -53,6 +52,8 @@ class FSDPParamGroup(GroupChoices):
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
     reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
+    storages: tuple[GroupStorage, ...]  # where shards live beyond ZeRO-3's: [Note: group storage]
+    keeps_unsharded: bool  # one of them keeps the unsharded storage across reshards (ZeRO-1/2)
 
     def reduce_dtype_problem(self) -> str | None:
         """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
@@ -103,9 +104,9 @@ class FSDPParamGroup(GroupChoices):
         self.reduce_scatter_group = None
         self.custom_all_gather = None
         self.custom_reduce_scatter = None
-        self.resident: Resident | None = None  # ZeRO-1/2: [Note: resident groups]
         self.replicas = None  # HFSDP: [Note: replica-sharded groups]
-        self.refreshers: tuple[Refresher, ...] = ()  # shards rebuilt before an unshard (HFSDP, host masters)
+        self.storages = ()  # [Note: group storage]
+        self.keeps_unsharded = False
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         self.set_comm_policy(comm_policy or CommPolicy())
         self.choose_replica_step()
@@ -126,14 +127,19 @@ class FSDPParamGroup(GroupChoices):
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
 
     # ---- unshard / reshard ----------------------------------------------------------------
+    def add_storage(self, storage: GroupStorage) -> None:
+        """Give the group one more place its shards live ([Note: group storage]), at construction (``_stages``)."""
+        # those that keep unsharded storage last: it is judged fresh or not after every refresh has run (an
+        # HFSDP replica all-gather into the chunks moves the versions ZeRO-1/2's freshness compares)
+        self.storages = tuple(sorted((*self.storages, storage), key=lambda s: s.keeps_unsharded))
+        self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
+
     def reset_sharded_params(self) -> None:
-        if self.resident is not None:
-            self.resident.invalidate()  # the sharded parameters may be new tensors
-        renewed = [param.reset_sharded_param() for param in self.params]  # a list: every parameter looks
+        renewed = any([param.reset_sharded_param() for param in self.params])  # a list: every parameter looks
         self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
-        if any(renewed):  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
-            for sync in self.refreshers:
-                sync.invalidate()  # the shards the all-gather reads may hold old values
+        for storage in self.storages:
+            storage.on_reset(renewed)
+        if renewed:  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
             self.choose_gather()  # the form's views of the old shards are stale
 
     def unshard(self) -> None:
@@ -143,9 +149,8 @@ class FSDPParamGroup(GroupChoices):
         self.comm.host_steps.wait_for(p.sharded_param for p in self.params)  # a step in flight writes the shards
         form: GatherForm | None = self.regather  # set exactly while resharded to the post-forward group
         if form is None:
-            for sync in self.refreshers:
-                sync.refresh()  # what the optimizer stepped, back into the shards the all-gather reads
-            if self.resident is not None and self.resident.fresh():
+            # each brings what the optimizer stepped back into the shards the all-gather reads: a list, all run
+            if any([storage.before_gather() for storage in self.storages]):
                 self._to_unsharded()  # the kept storage holds the current shards: [Note: resident groups]
                 self.trace("all_gather_skipped")
                 return
@@ -187,13 +192,11 @@ class FSDPParamGroup(GroupChoices):
         """Free the unsharded parameters (waiting first for an all-gather still in flight); a resident group
         keeps their storage unless ``free`` ([Note: resident groups])."""
         self.wait_for_unshard()
-        for sync in self.refreshers if free else ():
-            sync.invalidate()  # an explicit reshard: rebuild the shards anew too
-        if self.resident is not None and free:
-            self.resident.invalidate()
-        elif self.sharded_state is ShardedState.SHARDED:
+        for storage in self.storages if free else ():
+            storage.invalidate()  # an explicit reshard: rebuild the shards anew too
+        if self.sharded_state is ShardedState.SHARDED and not (free and self.keeps_unsharded):
             return  # a resident group's kept storage is freed only when asked (free)
-        self._to_sharded(keep=self.resident is not None and not free)
+        self._to_sharded(keep=self.keeps_unsharded and not free)
         self.trace("reshard")
 
     def reshard_post_forward(self) -> None:
@@ -223,14 +226,14 @@ class FSDPParamGroup(GroupChoices):
         self.regather = None  # consumed: [Note: buffer lifetime]
         self.post_forward_kept = kept
         self.sharded_state = ShardedState.UNSHARDED
-        if self.resident is not None:
-            self.resident.gathered()
+        for storage in self.storages:
+            storage.gathered()
 
     def _to_sharded(self, keep: bool) -> None:
         """UNSHARDED or SHARDED_POST_FORWARD -> SHARDED: the DTensors on the modules, the unsharded storage
         freed (``keep``: a resident group's stays); or SHARDED -> SHARDED freeing a resident group's storage."""
         allowed: tuple[ShardedState, ...] = (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD)
-        if self.resident is not None and not keep:
+        if self.keeps_unsharded and not keep:
             allowed = (*allowed, ShardedState.SHARDED)
         self._leave(ShardedState.SHARDED, *allowed)
         for param in self.params:

@@ -95,8 +95,21 @@ class HostSync:
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
 
+    keeps_unsharded = False  # [Note: group storage]
+
     def invalidate(self) -> None:
         self.watch.stale = True  # every device shard copied from its master at the next unshard
+
+    def before_gather(self) -> bool:
+        self.refresh()
+        return False
+
+    def gathered(self) -> None:
+        return None
+
+    def on_reset(self, renewed: bool) -> None:
+        if renewed:
+            self.invalidate()  # the device shards may hold old values
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""

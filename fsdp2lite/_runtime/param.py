@@ -158,7 +158,8 @@ class ShardStorage:
 # copy of it), its spec, its gradient's layout and how a renewed local tensor is taken in. That is the
 # parameter's ``storage`` (``ShardStorage`` and its strategies), asked at those points; the sharded Parameter
 # is made once, from what the storage registers. Where the group keeps its shards fresh (HFSDP's replica
-# all-gather, host masters' copy to the device, ZeRO-1/2's kept storage) stays with the group's refreshers.
+# all-gather, host masters' copy to the device, ZeRO-1/2's kept storage) stays with the group
+# ([Note: group storage] in seams.py).
 
 
 class FSDPParam(GradientState, HookState):

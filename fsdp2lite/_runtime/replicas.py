@@ -127,9 +127,22 @@ class ReplicaSync:
         self.watch = ShardWatch(list(group.params))  # stale: gradients were reduced, or the chunks were reset
         self.gathers = 0  # replica all-gathers run (tests and trace read it)
 
+    keeps_unsharded = False  # [Note: group storage]
+
     def invalidate(self) -> None:
         """Gather every chunk at the next unshard."""
         self.watch.stale = True
+
+    def before_gather(self) -> bool:
+        self.refresh()
+        return False
+
+    def gathered(self) -> None:
+        return None
+
+    def on_reset(self, renewed: bool) -> None:
+        if renewed:
+            self.invalidate()  # the chunks the all-gather reads may hold old values
 
     def refresh(self) -> None:
         """All-gather across the replicas the pieces of every chunk that may be stale (none: no collective)."""

@@ -70,6 +70,14 @@ class Resident:
     def _current(self) -> tuple[tuple[int, int], ...]:
         return tuple(shard_versions(param) for param in self.group.params)
 
+    keeps_unsharded = True  # [Note: group storage]
+
+    def before_gather(self) -> bool:
+        return self.fresh()
+
+    def on_reset(self, renewed: bool) -> None:
+        self.invalidate()  # the sharded parameters may be new tensors
+
     def gathered(self) -> None:
         """The all-gather just completed holds the shards as they are now."""
         self.versions = self._current()
