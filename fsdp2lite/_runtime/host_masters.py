@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .param import FSDPParam, ShardStorage
 from .seams import GroupView
-from .zero import ShardWatch
+from .zero import ShardRefresher, ShardWatch
 
 
 class HostMasters(ShardStorage):
@@ -86,7 +86,7 @@ def master(param: FSDPParam) -> torch.Tensor:
     return storage.host_padded
 
 
-class HostSync:
+class HostSync(ShardRefresher):
     """A ``optimizer_only`` group's masters and the freshness of its device shards ([Note: host masters])."""
 
     def __init__(self, group: GroupView) -> None:
@@ -94,22 +94,6 @@ class HostSync:
         self.watch = ShardWatch([p for p in group.params if p.storage.grads_on_host])  # frozen ones have none
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
-
-    keeps_unsharded = False  # [Note: group storage]
-
-    def invalidate(self) -> None:
-        self.watch.stale = True  # every device shard copied from its master at the next unshard
-
-    def before_gather(self) -> bool:
-        self.refresh()
-        return False
-
-    def gathered(self) -> None:
-        return None
-
-    def on_reset(self, renewed: bool) -> None:
-        if renewed:
-            self.invalidate()  # the device shards may hold old values
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""

@@ -234,18 +234,7 @@ class FSDPParam(GradientState, HookState):
         self.mp_policy = mp_policy
         if self.extension is not None:
             self.extension.check_supported(shard_dim, isinstance(param, DTensor))
-        self.gather_shape = data.shape
-        rows, ws, rank = data.shape[shard_dim], mesh_info.shard_size, mesh_info.shard_rank
-        self.padded_rows = math.ceil(rows / ws)
-        self.local_rows = max(0, min(self.padded_rows, rows - rank * self.padded_rows))
-        start = min(rank * self.padded_rows, rows)
-        mesh, placements = sharded_placements(mesh_info, shard_dim, self.tp_spec)
-        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
-        self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-        if self.extension is not None:  # the subclass's own ops, so the shard stays one
-            self._adopt_hooked_shard(self.extension.shard(data, mesh_info, self.padded_shape, self.local_rows))
-        else:
-            self._adopt_padded_shard(self._new_padded_shard(data.narrow(shard_dim, start, self.local_rows)))
+        self._make_padded_shard(data)
         local, self.sharded_spec = self.storage.register(self)  # [Note: shard storage]
         sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=param.requires_grad)
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it: the same view
@@ -255,6 +244,23 @@ class FSDPParam(GradientState, HookState):
         self.unsharded_param = None
         self.all_gather_view = None
         self._set_on_modules(self.sharded_param)
+
+    def _make_padded_shard(self, data: torch.Tensor) -> None:
+        """This rank's padded shard of ``data`` (the parameter, or its tp-local tensor) and the layout around it
+        ([Note: padded shard]): rows, the DTensor spec of ZeRO-3's registered shard."""
+        d, info = self.shard_dim, self.mesh_info
+        self.gather_shape = data.shape
+        rows = data.shape[d]
+        self.padded_rows = math.ceil(rows / info.shard_size)
+        self.local_rows = max(0, min(self.padded_rows, rows - info.shard_rank * self.padded_rows))
+        start = min(info.shard_rank * self.padded_rows, rows)
+        mesh, placements = sharded_placements(info, d, self.tp_spec)
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
+        self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        if self.extension is not None:  # the subclass's own ops, so the shard stays one
+            self._adopt_hooked_shard(self.extension.shard(data, info, self.padded_shape, self.local_rows))
+        else:
+            self._adopt_padded_shard(self._new_padded_shard(data.narrow(d, start, self.local_rows)))
 
     @property
     def requires_grad(self) -> bool:

@@ -44,7 +44,7 @@ from .param import FSDPParam, ShardStorage
 from .pinned import host_buffer
 from .reduce import _reduce_scatter_flat, reduces_in_place
 from .seams import GroupView
-from .zero import ShardWatch
+from .zero import ShardRefresher, ShardWatch
 
 
 def piece_rows(local_rows: int, replicas: int, replica: int) -> tuple[int, int, int]:
@@ -116,7 +116,7 @@ def pieces(param: FSDPParam) -> ReplicaPieces:
     return storage
 
 
-class ReplicaSync:
+class ReplicaSync(ShardRefresher):
     """An HFSDP group's replica collectives and the freshness of its chunks ([Note: replica-sharded groups])."""
 
     def __init__(self, group: GroupView) -> None:
@@ -126,23 +126,6 @@ class ReplicaSync:
         self.replicate_group = group.mesh_info.replicate_group
         self.watch = ShardWatch(list(group.params))  # stale: gradients were reduced, or the chunks were reset
         self.gathers = 0  # replica all-gathers run (tests and trace read it)
-
-    keeps_unsharded = False  # [Note: group storage]
-
-    def invalidate(self) -> None:
-        """Gather every chunk at the next unshard."""
-        self.watch.stale = True
-
-    def before_gather(self) -> bool:
-        self.refresh()
-        return False
-
-    def gathered(self) -> None:
-        return None
-
-    def on_reset(self, renewed: bool) -> None:
-        if renewed:
-            self.invalidate()  # the chunks the all-gather reads may hold old values
 
     def refresh(self) -> None:
         """All-gather across the replicas the pieces of every chunk that may be stale (none: no collective)."""

@@ -59,6 +59,33 @@ class ShardWatch:
         self.versions = {id(param): shard_versions(param) for param in self.params}
 
 
+class ShardRefresher:
+    """A group storage that rebuilds the shards the all-gather reads from where the optimizer stepped
+    (HFSDP's ``ReplicaSync``, host masters' ``HostSync``), the shards in ``watch`` ([Note: group storage])."""
+
+    keeps_unsharded = False
+    watch: ShardWatch
+
+    def refresh(self) -> None:
+        """Rebuild the shards ``watch`` says are due (none: nothing)."""
+        raise NotImplementedError
+
+    def before_gather(self) -> bool:
+        self.refresh()
+        return False
+
+    def gathered(self) -> None:
+        return None
+
+    def on_reset(self, renewed: bool) -> None:
+        if renewed:
+            self.invalidate()  # the shards the all-gather reads may hold old values
+
+    def invalidate(self) -> None:
+        """Rebuild every shard at the next refresh."""
+        self.watch.stale = True
+
+
 class Resident:
     """The freshness of a resident group's unsharded storage ([Note: resident groups])."""
 

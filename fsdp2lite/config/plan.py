@@ -120,20 +120,23 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     return plan
 
 
+def _rule_hits(names: list[str], paths: str | list[str], location: str, plan: Plan) -> list[str]:
+    """The parameter names a rule's path glob(s) match; none: a problem at ``location``, naming the path."""
+    hits = [name for name in names if any(fnmatch.fnmatchcase(name, glob) for glob in as_list(paths))]
+    if not hits:
+        plan.problems.append(
+            Problem(
+                location, f"matches no parameter (path {paths!r})", f"parameter names look like: {', '.join(names[:3])}"
+            )
+        )
+    return hits
+
+
 def _plan_precision(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
     """Each ``precision_overrides`` rule's parameters (first match wins); a rule matching none is a problem."""
     params = [name for name, _ in model.named_parameters() if name not in plan.ignored]
     for index, rule in enumerate(config.precision_overrides):
-        hits = [name for name in params if any(fnmatch.fnmatchcase(name, g) for g in as_list(rule.path))]
-        if not hits:
-            plan.problems.append(
-                Problem(
-                    f"precision_overrides.{index}",
-                    f"path {rule.path!r} matches no parameter",
-                    f"parameter names look like: {', '.join(params[:3])}",
-                )
-            )
-        for name in hits:
+        for name in _rule_hits(params, rule.path, f"precision_overrides.{index}", plan):
             plan.precision.setdefault(name, rule.policy())
 
 
@@ -206,15 +209,7 @@ def _plan_shard_dims(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
     """Each ``shard_placement`` rule's parameters (first match wins), with their dims checked."""
     params = {name: p for name, p in model.named_parameters() if name not in plan.ignored}
     for index, rule in enumerate(config.shard_placement):
-        hits = [name for name in params if any(fnmatch.fnmatchcase(name, g) for g in as_list(rule.path))]
-        if not hits:
-            plan.problems.append(
-                Problem(
-                    f"shard_placement.{index}",
-                    "matches no parameter",
-                    f"parameter names look like: {next(iter(params), '')}",
-                )
-            )
+        hits = _rule_hits(list(params), rule.path, f"shard_placement.{index}", plan)
         for name in hits:
             if name in plan.shard_dims:
                 continue  # an earlier rule took it
