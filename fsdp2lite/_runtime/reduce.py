@@ -195,22 +195,19 @@ class NativeReduceScatter(ReduceForm):
     def start(
         self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        reduce_scatter_input = flat
         output = self.allocate((rank_major.shape[1],), dtype=rank_major.dtype, device=comm.device)
         if self.custom is not None:
             work = self.custom(
                 output_tensor=output,
-                input_tensor=reduce_scatter_input,
+                input_tensor=flat,
                 group=self.ranks.group,
                 op=dist.ReduceOp.SUM,
                 async_op=comm.async_work,
             )
-            return output, reduce_scatter_input, work
-        work = _reduce_scatter_flat(
-            output, reduce_scatter_input, group=self.ranks.group, in_place=False, async_op=comm.async_work
-        )
-        comm.count("reduce_scatter", reduce_scatter_input.nbytes * (self.ranks.size - 1) // self.ranks.size)
-        return output, reduce_scatter_input, work
+            return output, flat, work
+        work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=False, async_op=comm.async_work)
+        comm.count("reduce_scatter", flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        return output, flat, work
 
 
 class InPlaceReduce(ReduceForm):
