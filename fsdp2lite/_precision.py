@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ._runtime.param import ParamPolicy
 from .mesh import MeshInfo
-from .policies import MixedPrecisionPolicy, cast_dtype, from_torch_policy
+from .policies import MixedPrecisionPolicy, from_torch_policy, reduce_cast_dtype
 
 Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
@@ -115,8 +115,7 @@ def check_replicas(owned: Owned, policies: list[ParamPolicy], info: MeshInfo) ->
     by_dtype: dict[Any, list[str]] = {}
     for (fqn, param, _), policy in zip(owned, policies):
         if param.requires_grad:
-            dtype = cast_dtype(param, policy.reduce_dtype if policy.reduce_dtype is not None else policy.param_dtype)
-            by_dtype.setdefault(dtype, []).append(fqn)
+            by_dtype.setdefault(reduce_cast_dtype(param, policy.param_dtype, policy.reduce_dtype), []).append(fqn)
     if len(by_dtype) > 1:
         listing = "; ".join(f"{str(d).removeprefix('torch.')}: {', '.join(names[:4])}" for d, names in by_dtype.items())
         raise ValueError(

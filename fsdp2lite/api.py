@@ -36,7 +36,7 @@ from .policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingPolicy,
-    reduce_dtype_problem,
+    reduce_dtype_problem_by_policy,
 )
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -314,10 +314,8 @@ def _check_group_dtypes(
     """One reduce-scatter per group and policy: the trainable parameters under one policy must reduce in one
     dtype (frozen ones of other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather]);
     an override's parameters reduce apart ([Note: per-parameter mixed precision])."""
-    problem = None
-    for policy in dict.fromkeys(policies):
-        named = {fqn: p for (fqn, p, _), own in zip(owned, policies) if own == policy}
-        problem = problem or reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
+    named = {fqn: p for fqn, p, _ in owned}
+    problem = reduce_dtype_problem_by_policy(named, {fqn: own for (fqn, _, _), own in zip(owned, policies)})
     if problem is not None:
         owner = ", ".join(type(module).__name__ for module in modules)
         raise ValueError(

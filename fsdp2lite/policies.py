@@ -7,7 +7,7 @@ Dtype fields take a ``torch.dtype`` or one of its names and always hold a ``torc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from pydantic import (
@@ -243,6 +243,39 @@ def cast_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and param.is_floating_point() else param.dtype
 
 
+def reduce_cast_dtype(
+    param: torch.Tensor, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype ``param``'s gradient is reduced in under a policy's ``param_dtype`` and ``reduce_dtype``
+    (``reduce_dtype``, else ``param_dtype``, cast as ``cast_dtype`` casts)."""
+    return cast_dtype(param, reduce_dtype if reduce_dtype is not None else param_dtype)
+
+
+class DtypePolicy(Protocol):
+    """A policy's two dtypes (``MixedPrecisionPolicy``, the runtime's per-parameter ``ParamPolicy``)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype | None: ...
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None: ...
+
+
+def reduce_dtype_problem_by_policy(
+    named_params: Mapping[str, torch.Tensor], policies: Mapping[str, DtypePolicy]
+) -> str | None:
+    """``reduce_dtype_problem`` for each set of parameters sharing a policy (``policies``: name -> policy): an
+    override's parameters reduce apart ([Note: per-parameter mixed precision]); the first problem, or None."""
+    by_policy: dict[DtypePolicy, dict[str, torch.Tensor]] = {}
+    for name, param in named_params.items():
+        by_policy.setdefault(policies[name], {})[name] = param
+    for policy, named in by_policy.items():
+        problem = reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
+        if problem is not None:
+            return problem
+    return None
+
+
 def reduce_dtype_problem(
     named_params: Mapping[str, torch.Tensor], param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
 ) -> str | None:
@@ -253,8 +286,7 @@ def reduce_dtype_problem(
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, param in named_params.items():
         if param.requires_grad:
-            dtype = cast_dtype(param, reduce_dtype) if reduce_dtype is not None else cast_dtype(param, param_dtype)
-            by_dtype.setdefault(dtype, []).append(name)
+            by_dtype.setdefault(reduce_cast_dtype(param, param_dtype, reduce_dtype), []).append(name)
     if len(by_dtype) < 2:
         return None
     parts = []

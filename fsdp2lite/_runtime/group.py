@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import MeshInfo
-from ..policies import CommPolicy, reduce_dtype_problem
+from ..policies import CommPolicy, reduce_dtype_problem_by_policy
 from .choices import GroupChoices
 from .comm import Comm
 from .gather import GatherForm, PendingUnshard, Regather
@@ -59,12 +59,8 @@ class FSDPParamGroup(GroupChoices):
         """Why this group's trainable parameters cannot be reduced together (checked at lazy init, when
         ``requires_grad`` is final), or None: those under one policy reduce in one dtype (parameters of
         another policy reduce apart: [Note: per-parameter mixed precision])."""
-        for policy in dict.fromkeys(param.policy for param in self.params):
-            named = {param.fqn: param.sharded_param for param in self.params if param.policy == policy}
-            problem = reduce_dtype_problem(named, policy.param_dtype, policy.reduce_dtype)
-            if problem is not None:
-                return problem
-        return None
+        named = {param.fqn: param.sharded_param for param in self.params}
+        return reduce_dtype_problem_by_policy(named, {param.fqn: param.policy for param in self.params})
 
     def __init__(
         self,

@@ -100,7 +100,12 @@ class Resident:
     keeps_unsharded = True  # [Note: group storage]
 
     def before_gather(self) -> bool:
-        return self.fresh()
+        """Whether the kept unsharded storage holds the current shards (the group then registers it and skips
+        its all-gather); False: gather."""
+        if self.versions is None or self.versions != self._current():
+            return False
+        self.skipped += 1
+        return True
 
     def on_reset(self, renewed: bool) -> None:
         self.invalidate()  # the sharded parameters may be new tensors
@@ -112,14 +117,6 @@ class Resident:
     def invalidate(self) -> None:
         """The storage no longer holds the shards' values (freed, or the sharded parameters were reset)."""
         self.versions = None
-
-    def fresh(self) -> bool:
-        """Whether the kept unsharded storage holds the current shards (the group then registers it and skips
-        its all-gather); False: gather."""
-        if self.versions is None or self.versions != self._current():
-            return False
-        self.skipped += 1
-        return True
 
 
 _watching: list[Any] = []  # the one hook handle, once registered

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy, reduce_dtype_problem
+from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy, reduce_dtype_problem_by_policy
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
 
@@ -163,11 +163,8 @@ def _dtype_problems(plan: Plan) -> list[Problem]:
     (``reduce_dtype_problem``; an override's parameters reduce apart: ``precision_overrides``)."""
     problems = []
     for group, params in zip(plan.groups, plan.params):
-        by_policy: dict[MixedPrecisionPolicy, dict[str, nn.Parameter]] = {}
-        for name, param in params.items():
-            by_policy.setdefault(plan.precision.get(name, group.policy.mixed_precision), {})[name] = param
-        found = (reduce_dtype_problem(named, mp.param_dtype, mp.reduce_dtype) for mp, named in by_policy.items())
-        problem = next((p for p in found if p is not None), None)
+        policies = {name: plan.precision.get(name, group.policy.mixed_precision) for name in params}
+        problem = reduce_dtype_problem_by_policy(params, policies)
         if problem is not None:
             label = " + ".join(path or "<root>" for path in group.paths)
             problems.append(

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from ..config import FSDPConfig, Plan, checkpoint_forward, plan_config
-from ..policies import cast_dtype
+from ..policies import cast_dtype, reduce_cast_dtype
 from .common import (
     GroupBytes,
     MemoryEstimate,
@@ -259,7 +259,7 @@ def group_bytes(
                 file_bytes += _align(stored, FILE_ALIGN)  # optimizer: nvme: a state tensor's region in the file
                 slot_bytes += _align(stored, SLOT_ALIGN)  # and in a staging slot
                 grads += compute
-                reduced += padded * element_size(cast_dtype(p, policy.reduce_dtype or policy.param_dtype))
+                reduced += padded * element_size(reduce_cast_dtype(p, policy.param_dtype, policy.reduce_dtype))
         packed += grad_shards  # the group's host gradient buffer: exact too, reused every step
         pinned_sum, exact = packed + sum(pin(n) for n in requests), packed + sum(requests)
         out.append(

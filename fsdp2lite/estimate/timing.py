@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from .._runtime.quantize import encoded_sizes
 from ..config import Plan
-from ..policies import cast_dtype
+from ..policies import cast_dtype, reduce_cast_dtype
 from .common import element_size, sharded_nbytes
 from .finetune import NF4_BITS
 from .host import STATE_TENSORS
@@ -264,7 +264,7 @@ def comm_bytes(
                                wire.block_size)  # fmt: skip
             if param.requires_grad:
                 trained += padded_shard
-                reduce_dtype = cast_dtype(param, own.reduce_dtype or own.param_dtype)
+                reduce_dtype = reduce_cast_dtype(param, own.param_dtype, own.reduce_dtype)
                 reduce_rows += rows
                 if wire.reduce_scatter != "int8":
                     scatter += _encoded(rows, shard, None, reduce_dtype, None, wire.block_size)
