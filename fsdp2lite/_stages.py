@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 from ._runtime.extension import has_extension
 from ._runtime.group import FSDPParamGroup
 from ._runtime.host_masters import HostMasters, HostSync
-from ._runtime.nvme import check_nvme_path, make_nvme_state
 from ._runtime.param import ParamPolicy, ShardStorage
 from ._runtime.replicas import ReplicaPieces, ReplicaSync
 from ._runtime.zero import Resident, watch_optimizer_steps
+from .host.nvme import check_nvme_path, make_nvme_state
 from .mesh import MeshInfo
 from .policies import ShardingPolicy
 

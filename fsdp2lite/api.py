@@ -28,6 +28,7 @@ from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
 from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._snapshot import ModuleSnapshot, all_modules
 from ._stages import apply_sharding, check_parameters, param_storage
+from .host import HostEngine
 from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policies import (
@@ -148,7 +149,7 @@ def _make_group(
     _accept_full_tensors_on_load(params)
     if not params:
         return None
-    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy)
+    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy, host=HostEngine())
     apply_sharding(group, sharding)
     return group
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule  # public: to be recognised as FSDP2
 
-from ._runtime.comm import SharedComm
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
+from ._runtime.root import SharedComm
 
 # [Note: torch's FSDPModule]
 # fsdp2lite's FSDPModule subclasses torch's public FSDPModule class, so ``isinstance(m,
@@ -394,8 +394,8 @@ def _unsupported_comm_memory(method: str, module: Any) -> str:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Let several roots (e.g. pipeline stages' model chunks) share one communication context: on CUDA
-    the same side streams (no memory fragmented across stream pools); the trace recorder of the first.
-    Call it before their first forward."""
+    the same side streams (no memory fragmented across stream pools), one host engine (gradient pool, host-step
+    worker), the trace recorder of the first. Call it before their first forward."""
     if not isinstance(modules, list | tuple):
         raise TypeError(f"share_comm_ctx takes a list of FSDPModules, got {type(modules).__name__}")
     for module in modules:

@@ -61,15 +61,20 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
 def _on_root_comm(state: Any, state_attr: str, comm_attr: str, value: Any) -> Iterator[None]:
     """Hand ``value`` to the root's shared Comm for the block: kept on the root's state (lazy init hands
     it over, if still to come) and set on the live Comm; both taken back after."""
-    setattr(state, state_attr, value)
-    if state.root_context is not None and state.root_context.comm is not None:
-        setattr(state.root_context.comm, comm_attr, value)
+    _hand_over(state, state_attr, comm_attr, value)
     try:
         yield
     finally:
-        setattr(state, state_attr, None)
-        if state.root_context is not None and state.root_context.comm is not None:
-            setattr(state.root_context.comm, comm_attr, None)
+        _hand_over(state, state_attr, comm_attr, None)
+
+
+def _hand_over(state: Any, state_attr: str, comm_attr: str, value: Any) -> None:
+    setattr(state, state_attr, value)
+    context = state.root_context
+    if context is not None and context.comm is not None:
+        setattr(context.comm, comm_attr, value)
+    if comm_attr == "recorder" and context is not None and context.host is not None:
+        context.host.trace_to(value)  # host steps and the waits for them: [Note: the host engine]
 
 
 @dataclass(frozen=True)

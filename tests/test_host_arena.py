@@ -18,6 +18,7 @@ from _parity import full
 import fsdp2lite as fl
 from fsdp2lite._runtime import pinned
 from fsdp2lite._runtime.host_arena import host_tensor
+from fsdp2lite.host import grad_pool
 
 FULL = fl.CPUOffloadPolicy(pin_memory=False)
 MASTERS = fl.CPUOffloadPolicy(pin_memory=False, optimizer_only=True)
@@ -171,7 +172,7 @@ def test_gradient_pool_reuses_free_buffers_only() -> None:
     """[Note: host gradient buffers]: kept gradients (a view of a buffer) keep it from being handed out again;
     once dropped, the same buffer comes back; a request no free buffer fits drops the free ones and makes one
     of exactly its bytes; the exact fit goes first among free buffers."""
-    pool = pinned.HostGradPool()
+    pool = grad_pool.HostGradPool()
     first = pool.take(100, torch.float32, pin=False)
     first.fill_(7.0)
     grad = first[10:20]  # a sharded gradient viewing it
@@ -198,7 +199,7 @@ def test_gradient_pool_serves_groups_like_the_two_schedules() -> None:
     (``step_in_backward``) need one buffer, the largest group's size."""
     sizes = (100, 250, 100)  # fp32 elements
 
-    kept = pinned.HostGradPool()
+    kept = grad_pool.HostGradPool()
     owners = []
     for _ in range(3):
         grads = [kept.take(n, torch.float32, pin=False) for n in sizes]
@@ -206,7 +207,7 @@ def test_gradient_pool_serves_groups_like_the_two_schedules() -> None:
         del grads  # zero_grad()
     assert owners[0] == owners[1] == owners[2] and len(set(owners[0])) == 3 and kept.nbytes() == 1800
 
-    stepped = pinned.HostGradPool()
+    stepped = grad_pool.HostGradPool()
     for _ in range(3):
         for n in sizes:
             grad = stepped.take(n, torch.float32, pin=False)
@@ -229,7 +230,7 @@ def test_gradient_pool_waits_for_the_host_steps_before_growing() -> None:
         in_flight.clear()  # the steps finished: their gradients set to None
         return had
 
-    pool = pinned.HostGradPool(wait_for_readers)
+    pool = grad_pool.HostGradPool(wait_for_readers)
     in_flight.append(pool.take(250, torch.float32, pin=False))  # the pool is empty: waits (nothing), makes one
     for n in (100, 250, 100):  # each group's buffer is still being stepped when the next one's is asked for
         in_flight.append(pool.take(n, torch.float32, pin=False))
@@ -296,13 +297,13 @@ def _one_gradient_buffer(rank: int, ws: int) -> None:
         assert torch.equal(a.to_local(), b.to_local()) and torch.equal(a.to_local(), c.to_local())
     largest = max(sum(p.padded_numel for p in group.params) * 4 for group in groups(stepped))
     for model in (stepped, serial):
-        pool = groups(model)[0].comm.host_grads
+        pool = groups(model)[0].host.grads
         assert [(b.raw.nbytes, b.pinning) for b in pool.buffers] == [(largest, "registered")]
     memory = fl.offload.host_memory(stepped)
     assert (memory.gradients, memory.own_buffers) == (largest, 0)
     assert memory.pinned == memory.registered == memory.shards + largest
     total = sum(sum(p.padded_numel for p in group.params) * 4 for group in groups(kept))
-    assert groups(kept)[0].comm.host_grads.nbytes("registered") == total
+    assert groups(kept)[0].host.grads.nbytes("registered") == total
 
 
 @pytest.mark.gpu

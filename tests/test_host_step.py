@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp2lite as fl
-from fsdp2lite._runtime.host_steps import HostSteps
+from fsdp2lite.host.steps import HostSteps
 from fsdp2lite.offload.host_step import fast_host_step, step_in_backward
 from fsdp2lite.trace import HOST_LANE, summarize
 

@@ -121,6 +121,19 @@ def test_runtime_knows_nothing_above_it() -> None:
         assert not wrong, f"{path.name} imports {sorted(wrong)}"
 
 
+def test_host_engine_sits_beside_the_runtime() -> None:
+    """``host/`` (the host engine: gradient pool, host steps, NVMe state) uses the runtime and nothing above it,
+    and the runtime reaches it only through ``seams.HostSide`` ([Note: the host engine])."""
+    allowed = ("fsdp2lite.host", "fsdp2lite._runtime", "fsdp2lite.policies", "fsdp2lite.mesh")
+    for path in sorted((PACKAGE / "host").glob("*.py")):
+        wrong = {t for t in _imports(path) if not t.startswith(allowed)}
+        assert not wrong, f"host/{path.name} imports {sorted(wrong)}"
+    from fsdp2lite._runtime.comm import Comm
+
+    host_words = {"host", "steps", "grads", "pool", "nvme", "executor"}
+    assert not [name for name in Comm.__annotations__ if any(word in name for word in host_words)]
+
+
 PUBLIC_PATHS = [
     ("fsdp2lite", "fully_shard"),
     ("fsdp2lite", "FSDPModule"),

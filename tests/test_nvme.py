@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import nvme
+from fsdp2lite.host import nvme
 from fsdp2lite.offload import nvme_stats
 
 IN_MEMORY = fl.CPUOffloadPolicy(pin_memory=False)

@@ -30,8 +30,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .host_steps import HostSteps
-from .pinned import HostGradPool
 from .trace import TraceRecorder
 
 # torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
@@ -41,16 +39,14 @@ STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduc
 
 
 class Comm:
-    """Streams (CUDA) or nothing (CPU), the trace recorder, the host gradient buffers of CPU offload and the host
-    steps that free them."""
+    """Streams (CUDA) or nothing (CPU), and the trace recorder and wire counters of the collectives it runs. The
+    host side of offload is not here: ``fsdp2lite.host`` ([Note: the host engine] in seams.py)."""
 
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
     recorder: TraceRecorder | None  # None: tracing off, and free
     wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
     wire: dict[str, int] | None  # while set (fl.count_wire_bytes): bytes this rank sent, per collective kind
-    host_grads: HostGradPool  # CPU offload: the host buffers reduced gradients land in ([Note: host gradient buffers])
-    host_steps: HostSteps  # step_in_backward's host steps ([Note: host steps off backward's thread])
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -61,8 +57,6 @@ class Comm:
         self.recorder = None
         self.wait_instead = None
         self.wire = None
-        self.host_steps = HostSteps(lambda: self.recorder)
-        self.host_grads = HostGradPool(self.host_steps.wait)  # the steps free buffers: waited before making one
 
     def count(self, kind: str, sent: int) -> None:
         """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""
@@ -132,15 +126,6 @@ class Comm:
         current = torch.cuda.current_stream(self.device)
         for stream in self.streams.values():
             current.wait_stream(stream)
-
-
-class SharedComm:
-    """One Comm for several roots (``share_comm_ctx``): made by the first root's lazy init."""
-
-    comm: Comm | None
-
-    def __init__(self) -> None:
-        self.comm = None
 
 
 class Ranks(NamedTuple):

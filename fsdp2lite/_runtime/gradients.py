@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 from .comm import Comm
-from .host_steps import run_post_accumulate_grad_hooks
 from .param import FSDPParam, make_dtensor
+from .seams import HostSide
 
 
 def take_unsharded_grads(
@@ -48,29 +48,30 @@ def run_all_reduce_hook(
 
 
 def accumulate_sharded_grads(
-    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, group: str = "<root>"
+    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, host: HostSide, group: str = "<root>"
 ) -> torch.cuda.Event | None:
     """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
     ``group``: its name in traces), then run their post-accumulate-grad hooks.
 
     Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
-    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of
-    ``comm``'s pool, [Note: host gradient buffers] in pinned.py; the returned event marks its end). A new
+    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of the host
+    engine's pool, [Note: host gradient buffers] in fsdp2lite/host/grad_pool.py; the returned event marks its
+    end). A new
     gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
     ``zero_grad`` in between) gets the new one added.
     """
-    comm.host_steps.wait_for(p.sharded_param for p in params)  # [Note: host steps off backward's thread]
+    host.wait_for(p.sharded_param for p in params)  # a host step in flight reads these grads: [Note: the host engine]
     first = params[0]
     uniform = all(p.orig_dtype == first.orig_dtype for p in params)
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
     offload_event = None
     if first.grads_on_host and flat.device.type != "cpu":
-        host = comm.host_grads.take(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
+        buffer = host.grad_buffer(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
         # async only when nothing below reads the host copy at once: adding into kept gradients and casting
         # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
         reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
-        flat = host.copy_(flat, non_blocking=host.is_pinned() and not reads_now)
-        if host.is_pinned() and not reads_now:
+        flat = buffer.copy_(flat, non_blocking=buffer.is_pinned() and not reads_now)
+        if buffer.is_pinned() and not reads_now:
             offload_event = torch.cuda.Event()
             offload_event.record()  # after the copy on the compute stream: waited at the end of backward
     existing: list[torch.Tensor] = []
@@ -89,8 +90,7 @@ def accumulate_sharded_grads(
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
-    # [Note: host steps off backward's thread]
-    run_post_accumulate_grad_hooks(params, offload_event, comm.host_steps, group, comm.device)
+    host.run_grad_hooks([param.sharded_param for param in params], offload_event, group, comm.device)
     return offload_event
 
 

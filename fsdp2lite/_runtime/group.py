@@ -23,7 +23,7 @@ from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
 from .param import FSDPParam
 from .reduce import ReduceScatterResult
-from .seams import GroupStorage
+from .seams import GroupStorage, HostSide
 from .states import ShardedState, TrainingState
 
 
@@ -49,6 +49,7 @@ class FSDPParamGroup(GroupChoices):
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
     offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
     _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
+    host: HostSide  # the host engine ([Note: the host engine] in seams.py); the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
     reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
@@ -69,6 +70,8 @@ class FSDPParamGroup(GroupChoices):
         mesh_info: MeshInfo,
         reshard_after_forward: bool | int | None,
         comm_policy: CommPolicy | None = None,
+        *,
+        host: HostSide,
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
@@ -94,6 +97,7 @@ class FSDPParamGroup(GroupChoices):
         self.reduce_scatter_result = None
         self.offload_event = None
         self._comm = None
+        self.host = host
         self.forward_prefetch = None
         self.backward_prefetch = None
         self.reduce_scatter_max_input_buffers = 1
@@ -142,7 +146,7 @@ class FSDPParamGroup(GroupChoices):
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
-        self.comm.host_steps.wait_for(p.sharded_param for p in self.params)  # a step in flight writes the shards
+        self.host.wait_for(p.sharded_param for p in self.params)  # a host step in flight writes the shards
         form: GatherForm | None = self.regather  # set exactly while resharded to the post-forward group
         if form is None:
             # each brings what the optimizer stepped back into the shards the all-gather reads: a list, all run
@@ -305,7 +309,7 @@ class FSDPParamGroup(GroupChoices):
                 output.div_(factor)
             if self.all_reduce_hook is not None:  # sees the gradient as it will be stored (averaged), as torch's
                 run_all_reduce_hook(self.all_reduce_hook, self.all_reduce_hook_stream, output)
-            event = accumulate_sharded_grads(output, result.params, self.comm, self.name or "<root>")
+            event = accumulate_sharded_grads(output, result.params, self.comm, self.host, self.name or "<root>")
         if event is not None:
             self.offload_event = event
 

@@ -52,10 +52,9 @@ from .checks import (
     check_reduce_dtypes,
     check_root_settings,
 )
-from .comm import SharedComm
 from .containers import cast_floating, map_tensors, tensors_in
 from .group import FSDPParamGroup
-from .root import RootContext
+from .root import RootContext, SharedComm
 from .states import TrainingState
 from .trace import TraceRecorder
 
@@ -88,7 +87,7 @@ class FSDPState:
     step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
     wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Comm likewise
-    shared_comm: SharedComm | None  # as root: a Comm shared with other roots (``share_comm_ctx``)
+    shared_comm: SharedComm | None  # as root: a Comm and host engine shared with other roots (``share_comm_ctx``)
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
@@ -150,6 +149,8 @@ class FSDPState:
         if context.comm is not None:
             context.comm.recorder = self.trace_recorder
             context.comm.wire = self.wire_counts
+        if context.host is not None:
+            context.host.trace_to(self.trace_recorder)
         if self.trace_recorder is not None:
             self.trace_recorder.schedule = context.schedule_settings()
         for state in (*states[1:], self):  # the root's own settings win

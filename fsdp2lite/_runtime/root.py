@@ -38,9 +38,21 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.autograd import Variable
 
-from .comm import Comm, SharedComm
+from .comm import Comm
 from .group import FSDPParamGroup
+from .seams import HostSide
 from .states import TrainingState
+
+
+class SharedComm:
+    """One Comm and one host engine for several roots (``share_comm_ctx``): the first root's lazy init sets both."""
+
+    comm: Comm | None
+    host: HostSide | None
+
+    def __init__(self) -> None:
+        self.comm = None
+        self.host = None
 
 
 class StateView(Protocol):
@@ -77,6 +89,7 @@ class RootContext:
 
     states: Sequence[StateView]  # root first, then the others in module order
     comm: Comm | None  # shared by every group; None when no group owns parameters
+    host: HostSide | None  # the host engine, shared likewise ([Note: the host engine] in seams.py)
     forward_order: list[FSDPParamGroup]  # groups in the order of the first forward
     order_recorded: bool
     final_callback_queued: bool
@@ -92,13 +105,14 @@ class RootContext:
     ) -> None:
         self.states = states
         groups = self.groups()
-        self.comm = None
+        self.comm = self.host = None
         if groups:
-            if shared is not None and shared.comm is None:
-                shared.comm = Comm(groups[0].mesh_info.device)
-            self.comm = shared.comm if shared is not None else Comm(groups[0].mesh_info.device)
+            shared = shared or SharedComm()
+            if shared.comm is None:
+                shared.comm, shared.host = Comm(groups[0].mesh_info.device), groups[0].host
+            self.comm, self.host = shared.comm, shared.host
         for group in groups:
-            group.comm = self.comm  # type: ignore[assignment]
+            group.comm, group.host = self.comm, self.host  # type: ignore[assignment]
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False
@@ -200,8 +214,8 @@ class RootContext:
         for state in self.states:
             state.end_pass()  # a recompute stopped early never ran its post-forward
         self.final_callback_queued = False
-        if self.comm is not None:
-            self.comm.host_steps.wait()  # return with every group stepped: [Note: host steps off backward's thread]
+        if self.host is not None:
+            self.host.end_backward()  # return with every group stepped ([Note: the host engine], seams.py)
 
     def reset(self) -> None:
         """Recover from an exception mid-step (see ``FSDPParamGroup.reset``)."""
@@ -209,8 +223,8 @@ class RootContext:
         in_backward = self.final_callback_queued or any(
             group.training_state in backward_states for group in self.groups()
         )
-        if self.comm is not None:
-            self.comm.host_steps.wait_quietly()  # no host step outlives the recovery
+        if self.host is not None:
+            self.host.abandon()  # no host step outlives the recovery
         for group in self.groups():
             group.reset(drop_unsharded_grads=in_backward)
         for state in self.states:

@@ -2,7 +2,8 @@
 
 A module that keeps state beside a group (ZeRO-1/2's resident storage, HFSDP's replica collectives, host
 masters, the host arena, NVMe state) sees the group through ``GroupView``: its parameters, its mesh, its
-``Comm`` and its trace. ``FSDPParamGroup`` satisfies it structurally; mypy checks every use.
+``Comm`` and its trace. ``FSDPParamGroup`` satisfies it structurally; mypy checks every use. The runtime in
+turn sees the host engine, which lives outside it, through ``HostSide`` ([Note: the host engine]).
 
 [Note: group storage]
 Where a group's shards live is decided at ``fully_shard`` and never re-tested per call: ZeRO-3 is the
@@ -17,16 +18,37 @@ the group calls at four fixed points and which never writes the group's state:
 
 Those that keep the unsharded storage (ZeRO-1/2) are asked last, after every refresh. The parameter half of
 the same question (what each parameter registers) is its ``ShardStorage`` ([Note: shard storage], param.py).
+
+[Note: the host engine]
+What runs on the host beside the runtime (the pinned pool reduced gradients land in under CPU offload, the
+worker thread of ``step_in_backward``'s host steps, optimizer state on NVMe) is not the runtime's: it lives in
+``fsdp2lite/host/``, which imports the runtime, never the reverse. The runtime calls it through ``HostSide`` at
+five points, all in the post-backward path or at the ends of a pass:
+
+    wait_for         before an all-gather reads a group's shards, and before a reduction adds into its
+                     gradients: a host step still stepping them must finish first
+    grad_buffer      a reduction copies an offloaded group's gradients to the host: the buffer they land in
+    run_grad_hooks   the gradients are in ``.grad``: the parameters' post-accumulate-grad hooks run (an
+                     optimizer stepping in backward), in backward's thread or on the engine's worker
+    end_backward     the end of every backward: every host step has finished
+    abandon          an exception mid-step: wait for the steps in flight, their errors become warnings
+
+Each group holds one from construction (``fully_shard`` makes it); the root's lazy init hands its own to every
+group of the tree (one pool, one worker per root, or per ``share_comm_ctx`` set of roots), as it does ``Comm``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
+
+import torch
 
 from ..mesh import MeshInfo
 from .comm import Comm
 from .param import FSDPParam
+from .trace import TraceRecorder
 
 
 class GroupStorage(Protocol):
@@ -67,3 +89,35 @@ class GroupView(Protocol):
     def trace(self, event: str) -> None: ...
 
     def trace_span(self, event: str) -> AbstractContextManager[None]: ...
+
+
+class HostSide(Protocol):
+    """What the runtime asks of the host engine (``fsdp2lite.host.HostEngine``): [Note: the host engine]."""
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Return once no host step in flight reads or writes these sharded parameters or their gradients."""
+        ...
+
+    def grad_buffer(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """A ``(numel,)`` host tensor of ``dtype`` (pinned when ``pin``) for a group's reduced gradients, held by
+        nothing else until the gradients viewing it are dropped."""
+        ...
+
+    def run_grad_hooks(
+        self, params: list[torch.Tensor], copy_event: torch.cuda.Event | None, group: str, device: torch.device
+    ) -> None:
+        """Run the post-accumulate-grad hooks of group ``group``'s sharded ``params`` (their reduced gradients are
+        in ``.grad``; on the host once ``copy_event`` completes); ``device``: the mesh's."""
+        ...
+
+    def end_backward(self) -> None:
+        """The end of a backward: return once every host step submitted has finished (raise the first error)."""
+        ...
+
+    def abandon(self) -> None:
+        """An exception mid-step: wait for the steps in flight; an error of theirs becomes a warning."""
+        ...
+
+    def trace_to(self, recorder: TraceRecorder | None) -> None:
+        """Record host steps and the waits for them with ``recorder`` (None: tracing off)."""
+        ...

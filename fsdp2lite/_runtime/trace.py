@@ -12,7 +12,7 @@ Events, per group (``name`` of the event):
                                     thread, drawn in a lane of its own ("host steps"), or in backward's thread
     host_step_wait        span      backward's thread waited for host steps in flight (the group is the last one
                                     waited for): the host step's exposed part ([Note: host steps off backward's
-                                    thread] in host_steps.py)
+                                    thread] in fsdp2lite/host/steps.py)
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def _host(nvme_path: str | None) -> tuple[Table, bool]:
     table.add_row("locked-memory limit (ulimit -l)", _memlock())
     if nvme_path is None:
         return table, True
-    from .._runtime.nvme import check_nvme_path
+    from ..host.nvme import check_nvme_path
 
     try:
         check_nvme_path(nvme_path, "--nvme-path")

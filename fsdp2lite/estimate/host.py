@@ -24,7 +24,7 @@ target, or ``pin_memory: false``, allocates pageable memory: exact.
 
 NVMe. With ``optimizer: nvme`` a group's optimizer state (AdamW: ``exp_avg`` and ``exp_avg_sq``, two tensors of
 its trainable shards' size; SGD: the momentum, one) lives in one preallocated file per rank under ``nvme_path``
-instead of host memory ([Note: optimizer state on NVMe] in ``_runtime/nvme.py``), each tensor at a page
+instead of host memory ([Note: optimizer state on NVMe] in ``host/nvme.py``), each tensor at a page
 boundary (``FILE_ALIGN``): ``nvme_bytes``. The host holds instead two staging buffers (pinned where the group
 pins, at their exact size), each the largest NVMe group's state with every tensor at ``SLOT_ALIGN``. Each step reads
 and writes the NVMe groups' state once. AdamW's step counters (4 bytes a tensor) stay in host memory. An HFSDP
@@ -41,8 +41,8 @@ from .common import GroupBytes
 
 STATE_TENSORS = {"adamw": 2, "sgd": 1, "none": 0}  # optimizer state tensors the size of a trainable shard
 PACK_ALIGN = 64  # each host shard's offset in its group's one buffer (_runtime/host_arena.py ALIGN)
-FILE_ALIGN = 4096  # each state tensor's region in the file starts on a page (_runtime/nvme.py ALIGN)
-SLOT_ALIGN = 64  # each state tensor in a staging slot starts on a cache line (_runtime/nvme.py SLOT_ALIGN)
+FILE_ALIGN = 4096  # each state tensor's region in the file starts on a page (host/nvme.py ALIGN)
+SLOT_ALIGN = 64  # each state tensor in a staging slot starts on a cache line (host/nvme.py SLOT_ALIGN)
 
 
 @dataclass(frozen=True)

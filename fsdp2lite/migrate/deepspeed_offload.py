@@ -18,7 +18,7 @@ too, and the optimizer goes with them. ``offload_optimizer: {device: nvme}`` is 
 offload: fsdp2lite keeps the state in one file per rank under ``nvme_path`` (``optimizer: nvme``). There is no
 parameter offload to NVMe in fsdp2lite: ``offload_param: {device: nvme}`` keeps the parameters in host RAM,
 and the report and a note say so. DeepSpeed's swap-buffer and async-I/O settings are reported by name, dropped:
-fsdp2lite's own NVMe path has none of those knobs ([Note: optimizer state on NVMe] in ``_runtime/nvme.py``).
+fsdp2lite's own NVMe path has none of those knobs ([Note: optimizer state on NVMe] in ``host/nvme.py``).
 
 Which key the walk meets first must not change the result, so ``read_offload`` reads both sections (and the
 deprecated ``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory``) from the whole input

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp2lite._runtime.nvme import NVMeStats, nvme_state
+from fsdp2lite.host.nvme import NVMeStats, nvme_state
 from fsdp2lite.offload.host_step import StepInBackward, fast_host_step, step_in_backward
 from fsdp2lite.offload.memory import HostMemory, host_memory
 

@@ -10,7 +10,7 @@ its state; see [Note: fused CPU kernel layouts] for the one thing the kernel get
 away from it, and docs/offload.md for the decisions and the measured speed. ``step_in_backward(model,
 optimizer_factory)`` (opt-in) steps each group's parameters inside backward, as soon as their reduced
 gradients land, and frees those gradients at once; groups on the host step on the runtime's host-step thread
-while backward goes on ([Note: host steps off backward's thread] in ``_runtime/host_steps.py``).
+while backward goes on ([Note: host steps off backward's thread] in ``host/steps.py``).
 
 [Note: fused CPU kernel layouts]
 torch's CPU ``_fused_adam_``/``_fused_adamw_`` checks no strides (torch 2.11 and 2.13; the CUDA kernel
@@ -289,7 +289,7 @@ def step_in_backward(
     gradient buffers] in ``_runtime/pinned.py``).
 
     ``overlap``: whether a group whose shards are on the host steps on a worker thread while backward goes on to
-    the next groups ([Note: host steps off backward's thread] in ``_runtime/host_steps.py``). ``None`` (the
+    the next groups ([Note: host steps off backward's thread] in ``host/steps.py``). ``None`` (the
     default): where backward runs on a device, i.e. CPU offload from a CUDA mesh, so the device keeps running the
     backward while the host steps instead of waiting for each step; on a CPU mesh the step and the backward would
     share the same cores, so they take turns. ``True``: on any mesh (a CPU job with cores to spare). ``False``:

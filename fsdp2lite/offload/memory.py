@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2lite._runtime.host_arena import host_tensor
+from fsdp2lite.host import HostEngine
 from fsdp2lite.module import FSDPModule
 
 
@@ -60,8 +61,8 @@ def host_memory(model: nn.Module) -> HostMemory:
             for inner in _plain_tensors(tensor):
                 _count(seen, inner, "own_buffers", "allocator" if inner.is_pinned() else "none")
         offloaded += arena is not None or bool(own)
-    if groups:
-        for buffer in groups[0].comm.host_grads.buffers:
+    if groups and isinstance(engine := groups[0].host, HostEngine):  # the root's, shared by every group
+        for buffer in engine.grads.buffers:
             _count(seen, buffer.raw, "gradients", buffer.pinning)
     totals = {kind: sum(n for k, n, _ in seen.values() if k == kind) for kind in ("shards", "own_buffers", "gradients")}
     return HostMemory(

@@ -52,9 +52,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .param import make_dtensor
-from .pinned import exact_host_bytes
-from .seams import GroupView
+from fsdp2lite._runtime.param import make_dtensor
+from fsdp2lite._runtime.pinned import exact_host_bytes
+from fsdp2lite._runtime.seams import GroupView
 
 ALIGN = 4096  # file regions start on a page: direct, unsplit reads and writes
 SLOT_ALIGN = 64  # tensors inside a staging slot: any dtype's alignment, and a cache line

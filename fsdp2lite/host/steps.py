@@ -14,7 +14,7 @@ worker thread instead, in the order their groups were reduced:
 
 Who waits for it, and why:
 - a reduction that needs a host gradient buffer and finds none free (``HostGradPool.take``, [Note: host
-  gradient buffers] in pinned.py) waits for the steps first: they free their groups' buffers, so one buffer,
+  gradient buffers] in grad_pool.py) waits for the steps first: they free their groups' buffers, so one buffer,
   the largest group's, still serves every group, and step k overlaps the backward queued before group k-1's
   reduction (on CUDA, what the device has in its queue; on CPU, the backward's own compute);
 - the end of every backward (``RootContext._end_backward_pass``, microbatches included) waits for all of them:
@@ -44,14 +44,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from .trace import HOST_LANE, TraceRecorder
-
-if TYPE_CHECKING:
-    from .param import FSDPParam
+from fsdp2lite._runtime.trace import HOST_LANE, TraceRecorder
 
 
 class HostSteps:
@@ -141,7 +137,7 @@ def _span(recorder: TraceRecorder | None, name: str, group: str, lane: str = "")
 
 
 def run_post_accumulate_grad_hooks(
-    params: tuple[FSDPParam, ...],
+    params: list[torch.Tensor],
     copy_event: torch.cuda.Event | None,
     host_steps: HostSteps,
     group: str,
@@ -152,18 +148,18 @@ def run_post_accumulate_grad_hooks(
     the host-step worker when every hook allows it and the shards are on the host ([Note: host steps off
     backward's thread]). ``device``: the mesh's."""
     calls = [
-        partial(hook, param.sharded_param)
+        partial(hook, param)
         for param in params
-        for hook in tuple((getattr(param.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values())
+        for hook in tuple((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
     ]
     if not calls:
         return
     off_thread = all(_off_thread(getattr(call.func, "runs_off_thread", False), device) for call in calls) and all(
-        param.sharded_param.device.type == "cpu" for param in params
+        param.device.type == "cpu" for param in params
     )
     run_all = partial(_run_all, calls)
     if off_thread:
-        host_steps.submit(run_all, copy_event, [param.sharded_param for param in params], group, device)
+        host_steps.submit(run_all, copy_event, params, group, device)
         return
     if copy_event is not None:
         copy_event.synchronize()  # the hooks read the host gradients: their copy must be done
