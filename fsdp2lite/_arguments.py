@@ -23,7 +23,7 @@ def check_call(
     _check_dp_mesh_dims(dp_mesh_dims)
     modules = _check_modules(module)
     check_reshard_after_forward(reshard_after_forward)
-    return modules, check_sharding(sharding, reshard_after_forward)
+    return modules, check_sharding(sharding)
 
 
 def _check_dp_mesh_dims(dp_mesh_dims: Any) -> None:
@@ -59,11 +59,6 @@ def _check_modules(module: Any) -> tuple[nn.Module, ...]:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__[len('FSDP') :]}; "
                 "each module can be sharded once"
-            )
-        if type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its hooks would "
-                "never run. Shard its children instead, e.g. `for block in model.layers: fully_shard(block)`"
             )
     return modules
 

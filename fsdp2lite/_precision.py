@@ -10,18 +10,16 @@ dtype, as in ``mp_policy``); the group's ``mp_policy`` keeps casting the modules
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.nn as nn
 
-from ._runtime.param import ParamPolicy
-from .mesh import MeshInfo
-from .policies import MixedPrecisionPolicy, from_torch_policy, reduce_cast_dtype
+from ._plan import OwnedParam
+from .policies import MixedPrecisionPolicy, from_torch_policy
 
-Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+Owned = list[OwnedParam]
 
 
 def resolve_overrides(overrides: Any, owned: Owned, owner: str) -> list[MixedPrecisionPolicy | None]:
@@ -82,47 +80,6 @@ def _checked(where: str, value: Any, allow_none: bool) -> MixedPrecisionPolicy |
             "mp_policy, not per parameter; leave output_dtype None in an override"
         )
     return policy
-
-
-class PerParamPolicies(NamedTuple):
-    """Per owned parameter, in order: the policy it runs under, and its MixedPrecisionPolicy (for a 5-argument
-    ``fsdp_pre_all_gather``)."""
-
-    policies: list[ParamPolicy]
-    mp_policies: list[MixedPrecisionPolicy]
-
-
-def per_param_policies(
-    overrides: Any, owned: Owned, base: ParamPolicy, mp_policy: MixedPrecisionPolicy, *, info: MeshInfo, owner: str
-) -> PerParamPolicies:
-    """``base`` and ``mp_policy`` for every owned parameter, or an override's dtypes where ``mp_overrides``
-    gives one; checked (``resolve_overrides``, ``check_replicas``) before anything changes. ``owner``: the
-    modules of the call, for messages."""
-    found = resolve_overrides(overrides, owned, owner)
-    policies = [
-        base if o is None else dataclasses.replace(base, param_dtype=o.param_dtype, reduce_dtype=o.reduce_dtype)
-        for o in found
-    ]
-    check_replicas(owned, policies, info)
-    return PerParamPolicies(policies, [mp_policy if o is None else o for o in found])
-
-
-def check_replicas(owned: Owned, policies: list[ParamPolicy], info: MeshInfo) -> None:
-    """On a 2-D mesh the step across replicas runs on the group's joined gradient, in one dtype: overrides
-    that give its trainable parameters several reduce dtypes are refused there, naming them."""
-    if info.replicate_group is None:
-        return
-    by_dtype: dict[Any, list[str]] = {}
-    for (fqn, param, _), policy in zip(owned, policies):
-        if param.requires_grad:
-            by_dtype.setdefault(reduce_cast_dtype(param, policy.param_dtype, policy.reduce_dtype), []).append(fqn)
-    if len(by_dtype) > 1:
-        listing = "; ".join(f"{str(d).removeprefix('torch.')}: {', '.join(names[:4])}" for d, names in by_dtype.items())
-        raise ValueError(
-            f"mp_overrides give this group's gradients several reduce dtypes ({listing}) on a 2-D (HSDP) mesh, whose "
-            "step across replicas runs in one dtype: give the overridden parameters the group's reduce_dtype, or "
-            "use a 1-D mesh"
-        )
 
 
 OverrideFn = Callable[[nn.Parameter], MixedPrecisionPolicy | None]

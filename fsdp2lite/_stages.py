@@ -5,8 +5,8 @@ optimizer steps (``CPUOffloadPolicy(optimizer_only=True)``).
 resident group, [Note: resident groups]); ``ShardingPolicy(replicate=...)`` the replicate axis's (``none``:
 HSDP, ``optimizer``: HFSDP, a replica-sharded group, [Note: replica-sharded groups]). ``optimizer_only``
 offload keeps the shards on the device and the masters on the host ([Note: host masters]); ``optimizer="nvme"``
-keeps the optimizer state in files between steps ([Note: optimizer state on NVMe]). Every check here
-runs before anything is sharded and names the value, the parameter or the mesh, and what would be valid.
+keeps the optimizer state in files between steps ([Note: optimizer state on NVMe]). What each stage cannot
+hold is checked with the rest of the plan, before anything is sharded (``_plan.py``, [Note: one plan]).
 """
 
 from __future__ import annotations
@@ -14,84 +14,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from ._runtime.extension import has_extension
 from ._runtime.group import FSDPParamGroup
 from ._runtime.host_masters import HostMasters, HostSync
 from ._runtime.param import ParamPolicy, ShardStorage
 from ._runtime.replicas import ReplicaPieces, ReplicaSync
 from ._runtime.zero import Resident, watch_optimizer_steps
-from .host.nvme import check_nvme_path, make_nvme_state
-from .mesh import MeshInfo
+from .host.nvme import make_nvme_state
 from .policies import ShardingPolicy
 
 Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
 
-def check_sharding(sharding: Any, reshard_after_forward: bool | int | None) -> ShardingPolicy | None:
-    """The policy, after its type and its agreement with ``reshard_after_forward``; None: ZeRO-3, HSDP."""
+def check_sharding(sharding: Any) -> ShardingPolicy | None:
+    """The policy, after its type; None: ZeRO-3, HSDP. (What it cannot hold: the plan's checks, ``_plan.py``.)"""
     if sharding is None:
         return None
     if not isinstance(sharding, ShardingPolicy):
         raise TypeError(f"sharding must be a fsdp2lite.ShardingPolicy or None, got {type(sharding).__name__}")
-    if sharding.resident and reshard_after_forward not in (None, False):
-        raise ValueError(
-            f"sharding=ShardingPolicy(shard='optimizer') keeps the parameters unsharded between steps (ZeRO-1/2); "
-            f"reshard_after_forward={reshard_after_forward!r} would free them: leave it None (or False)"
-        )
     return sharding
-
-
-def check_parameters(
-    sharding: ShardingPolicy | None, policy: ParamPolicy, info: MeshInfo, owned: Owned, dims: list[int]
-) -> None:
-    """Parameters and mesh a non-default ``sharding`` (or host masters) can take: ValueError naming what cannot."""
-    hooked = [fqn for fqn, param, _ in owned if has_extension(_local(param))]
-    if policy.nvme_path is not None:
-        trainable = sum(p.numel() * p.element_size() for _, p, _ in owned if p.requires_grad)
-        check_nvme_path(policy.nvme_path, "CPUOffloadPolicy(optimizer='nvme')", 2 * -(-trainable // info.shard_size))
-    if policy.host_masters:
-        if hooked:
-            raise ValueError(
-                f"CPUOffloadPolicy(optimizer_only=True) keeps plain master shards on the host, but these gather "
-                f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(hooked)}; offload them with "
-                "optimizer_only=False (or not at all)"
-            )
-        if sharding is not None and sharding.replica_sharded:
-            raise ValueError(
-                "CPUOffloadPolicy(optimizer_only=True) and ShardingPolicy(replicate='optimizer') (HFSDP) both "
-                "move where the masters live; pick one for this group"
-            )
-    if sharding is None:
-        return
-    if sharding.resident and hooked:
-        raise ValueError(
-            f"sharding=ShardingPolicy(shard='optimizer') keeps plain unsharded parameters, but these gather "
-            f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(hooked)}; shard them with "
-            "shard='params'"
-        )
-    if not sharding.replica_sharded:
-        return
-    if info.replicate_group is None:
-        raise ValueError(
-            f"sharding=ShardingPolicy(replicate='optimizer') (HFSDP) shards masters and optimizer state across the "
-            f"replicas of a 2-D (replicate, shard) mesh, but this mesh is 1-D (shape {tuple(info.mesh.shape)}): pass "
-            "init_device_mesh(..., (replicate, shard), mesh_dim_names=('replicate', 'shard')), or replicate='none'"
-        )
-    odd = [f"{fqn} (all-gather hooks)" for fqn in hooked]
-    odd += [f"{fqn} (tensor parallel)" for fqn, param, _ in owned if isinstance(param, DTensor)]
-    odd += [f"{fqn} (Shard({dim}))" for (fqn, _, _), dim in zip(owned, dims) if dim != 0]
-    odd += [f"{fqn} (0-dim)" for fqn, param, _ in owned if _local(param).dim() == 0]
-    if odd:
-        raise ValueError(
-            f"sharding=ShardingPolicy(replicate='optimizer') (HFSDP) splits plain parameters sharded on dim 0 "
-            f"across the replicas; these are not: {', '.join(odd)}. Give them a group with replicate='none'"
-        )
-
-
-def _local(param: nn.Parameter) -> Any:
-    return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
 
 
 def param_storage(sharding: ShardingPolicy | None, policy: ParamPolicy, param: nn.Parameter) -> ShardStorage:

@@ -8,9 +8,10 @@ root last.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -20,16 +21,26 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._arguments import check_call, check_ignored, resolve_policies
-from ._precision import OverrideFn, PerParamPolicies, per_param_policies
+from ._plan import (
+    GroupSettings,
+    GroupSpec,
+    MeshShape,
+    OwnedParam,
+    ParamSpec,
+    PlanError,
+    group_problems,
+    owned_params,
+    walk_modules,
+)
+from ._precision import OverrideFn, resolve_overrides
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
 from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
-from ._runtime.post_forward import check_post_forward_dims, check_post_forward_size
 from ._snapshot import ModuleSnapshot, all_modules
-from ._stages import apply_sharding, check_parameters, param_storage
+from ._stages import apply_sharding, param_storage
 from .host import HostEngine
-from .mesh import MeshInfo, backend_device_type, check_tp_mesh, default_mesh, mesh_info_for
+from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .policies import (
     CommPolicy,
@@ -37,7 +48,6 @@ from .policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingPolicy,
-    reduce_dtype_problem_by_policy,
 )
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -99,18 +109,39 @@ def fully_shard(
     modules, sharding = check_call(module, dp_mesh_dims, reshard_after_forward, sharding)
     mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, comm_policy)
     owned = _collect_params(modules, check_ignored(ignored_params))
-    mesh_info = _mesh_info(mesh, owned, isinstance(offload_policy, CPUOffloadPolicy))
-    policy = _param_policy(mp_policy, offload_policy, mesh_info)
-    owner = ", ".join(type(m).__name__ for m in modules)
-    per_param = per_param_policies(mp_overrides, owned, policy, mp_policy, info=mesh_info, owner=owner)
-    _check_group_dtypes(owned, per_param.policies, modules)
-    dims = _checked_dims(shard_placement_fn, owned, mesh_info, reshard_after_forward, sharding, policy)
-    with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # every check passed: from here on, all or nothing
-        params = _make_params(owned, dims, mesh_info, per_param, sharding)
-        group = _make_group(params, modules, mesh_info, reshard_after_forward, comm_policy, sharding)
+    settings = GroupSettings(mp_policy, offload_policy, comm_policy, sharding, reshard_after_forward)
+    planned = _param_specs(owned, shard_placement_fn, mp_overrides, mp_policy, modules)
+    spec = GroupSpec(_label(modules), modules, _classes(modules), planned, settings, mesh=None)  # plan
+    spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
+    with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # build: all or nothing
+        params = _make_params(spec, mesh_info)
+        group = _make_group(params, spec, mesh_info)
         _install(modules, FSDPState(modules, group, mp_policy))
     _register_composable(modules)
     return module
+
+
+def _checked_on_mesh(spec: GroupSpec, mesh: DeviceMesh | None, owned: list[OwnedParam]) -> tuple[GroupSpec, MeshInfo]:
+    """The spec on its mesh, with every problem raised together (``PlanError``); where no mesh can be had (no
+    process group yet), the problems that need none are raised before that error."""
+    try:
+        mesh_info = _mesh_info(mesh, owned, spec.settings.offloaded is not None)
+    except (RuntimeError, TypeError, ValueError):
+        if problems := group_problems(spec):
+            raise PlanError(spec.label, problems) from None
+        raise
+    spec = spec.on_mesh(MeshShape.of(mesh_info))
+    if problems := group_problems(spec):
+        raise PlanError(spec.label, problems)
+    return spec, mesh_info
+
+
+def _label(modules: tuple[nn.Module, ...]) -> str:
+    return ", ".join(_classes(modules))
+
+
+def _classes(modules: tuple[nn.Module, ...]) -> tuple[str, ...]:
+    return tuple(type(m).__name__ for m in modules)
 
 
 def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
@@ -120,37 +151,16 @@ def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
         m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]  # classes are hashable
 
 
-def _checked_dims(
-    shard_placement_fn: Any,
-    owned: Any,
-    mesh_info: MeshInfo,
-    reshard_after_forward: bool | int | None,
-    sharding: ShardingPolicy | None,
-    policy: ParamPolicy,
-) -> list[int]:
-    """Each owned parameter's shard dim, after checking tensor-parallel parameters against the mesh, the
-    dims against a k-rank ``reshard_after_forward``, and the parameters against ``sharding``'s stages."""
-    _check_tp_params(owned, mesh_info)
-    dims = _shard_dims(shard_placement_fn, owned)
-    _check_post_forward(reshard_after_forward, mesh_info, owned, dims)
-    check_parameters(sharding, policy, mesh_info, owned, dims)
-    return dims
-
-
-def _make_group(
-    params: tuple[FSDPParam, ...],
-    modules: tuple[nn.Module, ...],
-    mesh_info: MeshInfo,
-    reshard_after_forward: bool | int | None,
-    comm_policy: CommPolicy | None,
-    sharding: ShardingPolicy | None,
-) -> FSDPParamGroup | None:
-    """The call's group (None when it owns no parameter), with ``sharding``'s stages (``_stages``)."""
+def _make_group(params: tuple[FSDPParam, ...], spec: GroupSpec, mesh_info: MeshInfo) -> FSDPParamGroup | None:
+    """The call's group (None when it owns no parameter), with the spec's sharding stages (``_stages``)."""
     _accept_full_tensors_on_load(params)
     if not params:
         return None
-    group = FSDPParamGroup(params, modules, mesh_info, reshard_after_forward, comm_policy, host=HostEngine())
-    apply_sharding(group, sharding)
+    settings = spec.settings
+    group = FSDPParamGroup(
+        params, spec.modules, mesh_info, settings.reshard_after_forward, settings.comm, host=HostEngine()
+    )
+    apply_sharding(group, settings.sharding)
     return group
 
 
@@ -167,11 +177,9 @@ def _register_composable(modules: tuple[nn.Module, ...]) -> None:
     for module in modules:
         registry = module.__dict__.setdefault(REGISTRY_KEY, {})
         registry.setdefault("fully_shard", item)
-    seen: set[int] = set()
-    for root in modules:
-        for _, managed in _walk(root, "", seen):
-            managed._is_fsdp_managed_module = True  # type: ignore[assignment]
-            managed._fsdp_use_orig_params = True  # type: ignore[assignment]
+    for _, managed in walk_modules([("", root) for root in modules], _is_fsdp):
+        managed._is_fsdp_managed_module = True  # type: ignore[assignment]
+        managed._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _state_of(module: nn.Module) -> FSDPState:
@@ -189,36 +197,41 @@ def _state_of(module: nn.Module) -> FSDPState:
 fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
-def _make_params(
-    owned: Any, dims: list[int], info: MeshInfo, policies: PerParamPolicies, sharding: Any
-) -> tuple[FSDPParam, ...]:
-    """The group's parameters, each under its policy (and its MixedPrecisionPolicy, for the all-gather hooks), of
-    the class ``sharding`` and the policy ask for (``_stages``)."""
+def _param_specs(
+    owned: list[OwnedParam],
+    shard_placement_fn: Any,
+    mp_overrides: Any,
+    mp_policy: MixedPrecisionPolicy,
+    modules: tuple[nn.Module, ...],
+) -> tuple[ParamSpec, ...]:
+    """Each owned parameter's part of the plan: its shard dim as asked, its mixed precision (``mp_overrides``)."""
+    overrides = resolve_overrides(mp_overrides, owned, _label(modules))
+    dims = _shard_dims(shard_placement_fn, owned)
+    source = "shard_placement_fn" if shard_placement_fn is not None else "the default"
     return tuple(
-        FSDPParam(
-            param,
-            fqn,
-            tuple(ParamPlace(m, n) for m, n in places),
-            info,
-            policy,
-            dim,
-            mp_policy,
-            storage=param_storage(sharding, policy, param),
-        )
-        for (fqn, param, places), dim, policy, mp_policy in zip(owned, dims, *policies)
+        ParamSpec(fqn, param, tuple(places), dim, source, override or mp_policy, override is not None)
+        for (fqn, param, places), dim, override in zip(owned, dims, overrides)
     )
 
 
-def _check_post_forward(value: Any, info: MeshInfo, owned: list[Any], dims: list[int]) -> None:
-    """An int ``reshard_after_forward`` must divide the shard size and keep dim-0 chunks."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        check_post_forward_size(value, info.shard_size)
-        if 1 < value < info.shard_size:
-            check_post_forward_dims(value, [(fqn, dim) for (fqn, _, _), dim in zip(owned, dims)])
+def _make_params(spec: GroupSpec, info: MeshInfo) -> tuple[FSDPParam, ...]:
+    """The group's parameters, each under its policy (the group's, or an override's dtypes) and MixedPrecisionPolicy
+    (for the all-gather hooks), with the storage the spec's sharding and the policy ask for (``_stages``)."""
+    base = _param_policy(spec.settings.mixed_precision, spec.settings.offload, info)
+    made = []
+    for p in spec.params:
+        mp = p.mixed_precision
+        own = dataclasses.replace(base, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+        policy = own if p.overridden else base
+        places = tuple(ParamPlace(m, n) for m, n in p.places)
+        storage = param_storage(spec.settings.sharding, policy, p.param)
+        made.append(FSDPParam(p.param, p.fqn, places, info, policy, p.dim, mp, storage=storage))
+    return tuple(made)
 
 
-def _shard_dims(fn: Any, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]) -> list[int]:
-    """The dim each parameter is sharded on: ``fn(param)`` as ``Shard(d)``, or 0 for None."""
+def _shard_dims(fn: Any, owned: list[OwnedParam]) -> list[int]:
+    """The dim each parameter is asked to be sharded on: ``fn(param)`` as ``Shard(d)``, or 0 for None (its range
+    is the plan's check: ``_plan.py``)."""
     if fn is None:
         return [0] * len(owned)
     if not callable(fn):
@@ -226,36 +239,13 @@ def _shard_dims(fn: Any, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Modu
     dims = []
     for fqn, param, places in owned:
         placement = fn(param)
-        owner = type(places[0][0]).__name__
-        if placement is None:
-            dims.append(0)
-            continue
-        if not isinstance(placement, Shard) or isinstance(placement, _StridedShard):
+        if placement is not None and (not isinstance(placement, Shard) or isinstance(placement, _StridedShard)):
             raise TypeError(
-                f"shard_placement_fn returned {placement!r} for parameter '{fqn}' of {owner}; it must return "
-                "Shard(dim) or None (Shard(0))"
+                f"shard_placement_fn returned {placement!r} for parameter '{fqn}' of {type(places[0][0]).__name__}; "
+                "it must return Shard(dim) or None (Shard(0))"
             )
-        shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # type: ignore[attr-defined]
-        ndim = len(shape)
-        if not -ndim <= placement.dim < ndim:
-            raise ValueError(
-                f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of {owner}, of shape "
-                f"{tuple(shape)}: it has no dim {placement.dim}; valid: Shard(0) .. Shard({ndim - 1}) "
-                f"(or -{ndim} .. -1)"
-            )
-        dims.append(placement.dim % ndim)
+        dims.append(0 if placement is None else placement.dim)
     return dims
-
-
-def _check_tp_params(owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], info: MeshInfo) -> None:
-    """DTensor parameters (tensor parallel) must live on a sibling of the fully_shard mesh."""
-    for fqn, param, places in owned:
-        if isinstance(param, DTensor):
-            problem = check_tp_mesh(info, param._spec)  # type: ignore[attr-defined]
-            if problem is not None:
-                raise ValueError(
-                    f"parameter '{fqn}' of {type(places[0][0]).__name__} is a DTensor (tensor parallel?) but {problem}"
-                )
 
 
 def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
@@ -292,7 +282,7 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
             f"CPUOffloadPolicy(pin_memory=True) on a '{mesh_info.mesh.device_type}' mesh: host shards are not "
             "pinned (pinning only speeds up copies to a CUDA device). Pass CPUOffloadPolicy(pin_memory=False) "
             "to silence this.",
-            stacklevel=4,
+            stacklevel=5,
         )
         pin = False
     host_masters = offload and offload_policy.optimizer_only  # type: ignore[attr-defined]
@@ -305,36 +295,6 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
         host_masters=host_masters,
         nvme_path=offload_policy.nvme_path if nvme else None,  # type: ignore[attr-defined]
     )
-
-
-def _check_group_dtypes(
-    owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-    policies: list[ParamPolicy],
-    modules: tuple[nn.Module, ...],
-) -> None:
-    """One reduce-scatter per group and policy: the trainable parameters under one policy must reduce in one
-    dtype (frozen ones of other dtypes are all-gathered with the rest, as bytes: [Note: byte all-gather]);
-    an override's parameters reduce apart ([Note: per-parameter mixed precision])."""
-    named = {fqn: p for fqn, p, _ in owned}
-    problem = reduce_dtype_problem_by_policy(named, {fqn: own for (fqn, _, _), own in zip(owned, policies)})
-    if problem is not None:
-        owner = ", ".join(type(module).__name__ for module in modules)
-        raise ValueError(
-            f"fully_shard({owner}): {problem}; pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (or "
-            "reduce_dtype=...), freeze the odd ones (requires_grad_(False)), or shard them in separate calls"
-        )
-
-
-def _walk(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    """Modules under ``module`` that no nested fully_shard call owns (each once)."""
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    yield prefix, module
-    for name, child in module.named_children():
-        if isinstance(child, FSDPModule):
-            continue
-        yield from _walk(child, f"{prefix}{name}.", seen)
 
 
 def _nested_params(modules: tuple[nn.Module, ...]) -> dict[int, str]:
@@ -352,28 +312,24 @@ def _nested_params(modules: tuple[nn.Module, ...]) -> dict[int, str]:
     return taken
 
 
-def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[int]
-) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """The parameters this call owns, with every (module, name) place they are registered at."""
-    owned: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[int]) -> list[OwnedParam]:
+    """The parameters this call owns, with every (module, name) place they are registered at: the modules' walk
+    stops at nested FSDPModules (``_plan.walk_modules``); a list's modules are named ``[i].``."""
+    roots = [(f"[{index}]" if len(modules) > 1 else "", root) for index, root in enumerate(modules)]
+    owned = owned_params(roots, _is_fsdp, ignored)
     taken = _nested_params(modules)
     sharded = sharded_param_ids()  # DTensors an enclosing call made: sharded bottom-up the wrong way round
-    seen: set[int] = set()
-    for index, root in enumerate(modules):
-        root_prefix = f"[{index}]." if len(modules) > 1 else ""
-        for prefix, module in _walk(root, root_prefix, seen):
-            for name, param in module._parameters.items():
-                if param is None or id(param) in ignored:
-                    continue
-                fqn = f"{prefix}{name}"
-                _check_param(param, fqn, type(module).__name__, taken, sharded)
-                entry = owned.setdefault(id(param), (fqn, param, []))
-                entry[2].append((module, name))
-    return list(owned.values())
+    for fqn, param, places in owned:
+        _check_param(param, fqn, type(places[0][0]).__name__, taken, sharded)
+    return owned
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
 
 
 def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str], sharded: set[int]) -> None:
+    """A parameter another call already owns: raised at once (the order of the calls is wrong, not the plan)."""
     if isinstance(param, DTensor) and id(param) in sharded:
         raise ValueError(
             f"parameter '{fqn}' of {owner} is already sharded: fully_shard was applied to a module "
@@ -385,16 +341,9 @@ def _check_param(param: nn.Parameter, fqn: str, owner: str, taken: dict[int, str
             "fully_shard call; tied parameters must be in one group: shard a module containing "
             "every use (or leave the tied modules to the enclosing call)"
         )
-    if param.dim() == 0:
-        raise ValueError(
-            f"parameter '{fqn}' of {owner} is 0-dim (a scalar); fully_shard shards on dim 0. "
-            "Make it shape (1,) or pass it in ignored_params"
-        )
 
 
-def _mesh_info(
-    mesh: DeviceMesh | None, owned: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], offload: bool
-) -> MeshInfo:
+def _mesh_info(mesh: DeviceMesh | None, owned: list[OwnedParam], offload: bool) -> MeshInfo:
     devices = {param.device for _, param, _ in owned}
     real = {d for d in devices if d.type != "meta"}
     if len({d.type for d in real}) > 1:

@@ -231,7 +231,7 @@ FULLY_SHARD = [
         "0-dim parameter",
         lambda: (Scalar(), fl.fully_shard),
         ValueError,
-        r"'scale' of Scalar is 0-dim.*shape \(1,\) or pass it in ignored_params",
+        r"scale: 0-dim parameter \(a scalar\) of Scalar.*shape \(1,\).*pass it in ignored_params",
     ),
     Case(
         "mixed dtypes",
@@ -256,7 +256,8 @@ FULLY_SHARD = [
         "placement dim 2",
         plain(lambda m: fl.fully_shard(m.blocks[0], shard_placement_fn=lambda p: Shard(2))),
         ValueError,
-        r"Shard\(2\) for parameter 'up.weight'.*no dim 2",
+        r"6 problems\n  up.weight: shard_placement_fn asks for dim 2, but the parameter has shape \(37, 16\); "
+        r"use a dim in 0 \.\. 1.*\n  up.bias: ",
     ),
     Case(
         "placement not callable",
@@ -644,7 +645,7 @@ APPLY = [
         "rule matches a ModuleList",
         plain(lambda m: fl.apply_config(m, config({"wrap": [{"match": {"path": "blocks"}}]}))),
         fl.ConfigError,
-        r"blocks: a ModuleList has no forward.*path: 'blocks.\*'",
+        r"blocks: cannot shard a ModuleList: it has no forward.*children.*path: 'blocks.\*'",
     ),
     Case(
         "reshard 2 of 1",
@@ -654,7 +655,7 @@ APPLY = [
             )
         ),
         fl.ConfigError,
-        r"wrap.0.reshard_after_forward: 2 does not divide the shard degree 1.*\[1\]",
+        r"wrap.0: reshard_after_forward=2 must divide the shard group size \(1\).*\[1\]",
     ),
     Case(
         "root mixes dtypes",
@@ -746,13 +747,13 @@ CLI = [
         "explain: reshard 3 at world 2",
         lambda t: ["explain", write(t, "reshard_after_forward: 3\n"), "--model", FACTORY, "--world-size", "2"],
         1,
-        r"reshard_after_forward.*3 does not divide the.*shard degree 2",
+        r"reshard_after_forward=3 must.*divide the shard group size \(2\)",
     ),
     (
         "explain: rule on a ModuleList",
         lambda t: ["explain", write(t, "wrap:\n  - match: {path: blocks}\n"), "--model", FACTORY],
         1,
-        r"ModuleList has no forward",
+        r"cannot shard a ModuleList: it.*has no forward",
     ),
     (
         "explain: mixed dtypes",

@@ -174,7 +174,7 @@ def test_shard_placement_rules_are_planned_and_checked() -> None:
     )
     refused = {p.location: p.message for p in fl.plan_config(tiny_gpt(), bad).refused}
     assert "dim 1, but the parameter has shape (48,)" in refused["blocks.0.attn.qkv.bias"], refused
-    assert "reshards to 2 ranks after forward" in refused["blocks.0.attn.qkv.weight"], refused
+    assert "sharded on another dim: blocks.0.attn.qkv.weight (Shard(1))" in refused["blocks.0"], refused
     with pytest.raises(fl.ConfigError, match=r"blocks.0.attn.qkv.bias: shard_placement.0 asks for dim 1"):
         fl.apply_config(tiny_gpt(), bad)  # no process group here: rejected before a mesh is built
 

@@ -61,7 +61,7 @@ def test_tied_across_groups() -> None:
 def test_zero_dim_parameter() -> None:
     model = nn.Linear(4, 4)
     model.temperature = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(ValueError, match=r"'temperature' of Linear is 0-dim.*ignored_params"):
+    with pytest.raises(ValueError, match=r"temperature: 0-dim parameter \(a scalar\) of Linear.*ignored_params"):
         fl.fully_shard(model)
     assert not isinstance(model.weight, DTensor)  # nothing was changed
 

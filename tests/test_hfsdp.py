@@ -243,7 +243,7 @@ def scenario_refusals(rank: int, ws: int) -> None:
 
     model = UnevenMLP()
     before = {name: param for name, param in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"replicate='optimizer'\) \(HFSDP\).*this mesh is 1-D \(shape \(4,\)\)"):
+    with pytest.raises(ValueError, match=r"replicate='optimizer'\) \(HFSDP\).*this mesh is 1-D \(shard 4\)"):
         fl.fully_shard(model.blocks[0], fl.init_mesh(device_type="cpu"), sharding=HFSDP)
     with pytest.raises(ValueError, match=r"these are not: up.weight \(Shard\(1\)\), mid.weight"):
         fl.fully_shard(model.blocks[0], mesh22(), sharding=HFSDP, shard_placement_fn=lambda p: Shard(p.dim() - 1))

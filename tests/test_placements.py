@@ -183,9 +183,10 @@ def _untouched(module: nn.Module) -> None:
         (
             lambda p: Shard(2),
             ValueError,
-            r"Shard\(2\) for parameter 'up.weight'.*shape \(37, 16\).*no dim 2.*Shard\(1\)",
+            r"up.weight: shard_placement_fn asks for dim 2, but the parameter has shape \(37, 16\); "
+            r"use a dim in 0 \.\. 1",
         ),
-        (lambda p: Shard(-3), ValueError, r"Shard\(-3\) for parameter 'up.weight'.*-2 \.\. -1"),
+        (lambda p: Shard(-3), ValueError, r"up.weight: shard_placement_fn asks for dim -3.*\(or -2 \.\. -1\)"),
         ("Shard(1)", TypeError, r"shard_placement_fn must be a callable.*got str"),
     ],
 )

@@ -196,14 +196,17 @@ def check_bad_tp_meshes(rank: int, ws: int) -> None:
     block = Block(8, 12)
     block.fc1.weight = nn.Parameter(distribute_tensor(block.fc1.weight.detach(), other, [Shard(0)]))
     combine = (
-        r"'fc1.weight' of Linear is a DTensor.*(do not combine|not a sub-mesh).*mesh\['tp'\] to parallelize_module"
+        r"fc1.weight: a DTensor \(tensor parallel\?\) of Linear.*(do not combine|not a sub-mesh).*mesh\['tp'\] to "
+        r"parallelize_module"
     )
     with pytest.raises(ValueError, match=combine):
         fl.fully_shard(block, mesh=mesh["dp"])
     assert not isinstance(block, fl.FSDPModule)
     block = Block(8, 12)
     block.fc2.weight = nn.Parameter(distribute_tensor(block.fc2.weight.detach(), mesh["dp"], [Shard(0)]))
-    with pytest.raises(ValueError, match=r"'fc2.weight' of Linear is a DTensor.*shares dims \['dp'\]"):
+    with pytest.raises(
+        ValueError, match=r"fc2.weight: a DTensor \(tensor parallel\?\) of Linear.*shares dims \['dp'\]"
+    ):
         fl.fully_shard(block, mesh=mesh["dp"])
     assert not isinstance(block, fl.FSDPModule)
 

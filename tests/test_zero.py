@@ -288,7 +288,7 @@ def test_policy_files_declare_zero_stages() -> None:
         fl.FSDPConfig.model_validate({"zero_stage": 2, "sharding": {"shard": "params"}})
     freeing = fl.FSDPConfig.model_validate({"zero_stage": 2, "reshard_after_forward": True})
     (problem,) = fl.plan_config(build(), freeing).refused
-    assert "reshard_after_forward: true would free them" in problem.message
+    assert "reshard_after_forward=True would free them" in problem.message  # fully_shard's words ([Note: one plan])
 
 
 def test_estimate_simulates_the_resident_copy() -> None:
@@ -332,7 +332,10 @@ def test_fully_shard_refuses_what_contradicts_zero_12() -> None:
     """Checked before anything changes (no process group needed for the refusals)."""
     model = nn.Linear(4, 4)
     before = [id(p) for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"reshard_after_forward=True would free them: leave it None \(or False\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reshard_after_forward=True would free them; leave reshard_after_forward at None / auto \(or False\)",
+    ):
         fl.fully_shard(model, sharding=ZERO12, reshard_after_forward=True)
     with pytest.raises(TypeError, match="sharding must be a fsdp2lite.ShardingPolicy or None, got str"):
         fl.fully_shard(model, sharding="zero2")  # type: ignore[arg-type]

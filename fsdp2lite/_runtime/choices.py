@@ -18,7 +18,7 @@ from ..policies import CommPolicy
 from .comm import Ranks
 from .gather import GatherForm, choose_gather, one_dtype
 from .param import FSDPParam
-from .post_forward import check_post_forward_dims, check_post_forward_size
+from .post_forward import check_post_forward
 from .reduce import (
     DeferredReplicas,
     NoReplicas,
@@ -55,9 +55,7 @@ class GroupChoices:
         one that would reshard parameters sharded on a dim other than 0)."""
         if isinstance(value, bool) or value is None:
             return
-        check_post_forward_size(value, self.mesh_info.shard_size)
-        if 1 < value < self.mesh_info.shard_size:
-            check_post_forward_dims(value, self.params)
+        check_post_forward(value, self.mesh_info.shard_size, self.params)
 
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""

@@ -19,24 +19,35 @@ from __future__ import annotations
 from .param import FSDPParam
 
 
-def check_post_forward_size(value: int, shard_size: int) -> None:
-    """An int reshard_after_forward must divide the shard group size; raises listing the valid ones."""
-    if value < 1 or shard_size % value:
-        divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
-        raise ValueError(
-            f"reshard_after_forward={value} must divide the shard group size ({shard_size}); "
-            f"valid values: {divisors} (1 behaves like False, {shard_size} like True)"
-        )
+def post_forward_size_problem(value: int, shard_size: int) -> tuple[str, str] | None:
+    """Why ``reshard_after_forward=value`` cannot be (it must divide the shard group size), and the valid values;
+    None when it can. ``fully_shard``'s plan (``_plan.py``) and ``set_reshard_after_forward`` ask this."""
+    if value >= 1 and shard_size % value == 0:
+        return None
+    divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
+    return (
+        f"reshard_after_forward={value} must divide the shard group size ({shard_size})",
+        f"valid values: {divisors} (1 behaves like False, {shard_size} like True), or True or False",
+    )
 
 
-def check_post_forward_dims(value: int, params: tuple[FSDPParam, ...] | list[tuple[str, int]]) -> None:
-    """Resharding to k ranks after forward keeps dim-0 chunks: parameters sharded on another dim
-    (``shard_placement_fn``) cannot; raises naming them. ``params``: FSDPParams or (fqn, shard dim)."""
-    dims = [(p.fqn, p.shard_dim) if isinstance(p, FSDPParam) else p for p in params]
+def post_forward_dims_problem(value: int, dims: list[tuple[str, int]]) -> tuple[str, str] | None:
+    """Resharding to k ranks after forward keeps dim-0 chunks: why parameters sharded on another dim
+    (``(fqn, shard dim)``) cannot, naming them; None when none is."""
     other = [f"{fqn} (Shard({dim}))" for fqn, dim in dims if dim != 0]
-    if other:
-        raise ValueError(
-            f"reshard_after_forward={value} reshards to groups of {value} ranks on dim 0, but these parameters "
-            f"are sharded on another dim: {', '.join(other)}; use True or False for this group, or shard "
-            "them on dim 0"
-        )
+    if not other:
+        return None
+    return (
+        f"reshard_after_forward={value} reshards to groups of {value} ranks on dim 0, but these parameters are "
+        f"sharded on another dim: {', '.join(other)}",
+        "use True or False for this group, or shard them on dim 0",
+    )
+
+
+def check_post_forward(value: int, shard_size: int, params: tuple[FSDPParam, ...]) -> None:
+    """``set_reshard_after_forward(k)`` on a built group: ValueError when k cannot be (the plan's checks)."""
+    problem = post_forward_size_problem(value, shard_size)
+    if problem is None and 1 < value < shard_size:
+        problem = post_forward_dims_problem(value, [(p.fqn, p.shard_dim) for p in params])
+    if problem is not None:
+        raise ValueError(f"{problem[0]}; {problem[1]}")

@@ -101,12 +101,11 @@ def _host(nvme_path: str | None) -> tuple[Table, bool]:
     table.add_row("locked-memory limit (ulimit -l)", _memlock())
     if nvme_path is None:
         return table, True
-    from ..host.nvme import check_nvme_path
+    from ..host.nvme import nvme_path_problem
 
-    try:
-        check_nvme_path(nvme_path, "--nvme-path")
-    except ValueError as exc:
-        table.add_row("nvme_path", f"[red]{exc}[/red]")
+    problem = nvme_path_problem(nvme_path)
+    if problem is not None:
+        table.add_row("nvme_path", f"[red]--nvme-path: {problem[0]}; {problem[1]}[/red]")
         return table, False
     table.add_row("nvme_path", f"{os.path.abspath(nvme_path)}: a writable directory")
     table.add_row("free there", human_bytes(shutil.disk_usage(nvme_path).free))

@@ -152,7 +152,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
         rows=rows,
         ignored=[ParamSize(name, p.numel(), param_nbytes(p)) for name, p in plan.ignored.items()],
         unmatched=list(plan.problems),
-        refused=list(plan.refused) + mesh_problems(plan, config, shard),
+        refused=list(plan.refused) + mesh_problems(plan, config, shard, replicate),
         large_in_root=_large_in_root(model, root_ids, ignored, total_bytes),
         total_numel=sum(p.numel() for p in unique.values()),
         total_bytes=total_bytes,
@@ -162,8 +162,9 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
 def _group_row(
     group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int, plan: Plan
 ) -> GroupRow:
-    shard_dims = tuple(plan.shard_dims.get(name, 0) for name in params)
-    overrides = [plan.precision[name] for name in params if name in plan.precision]
+    spec = plan.specs[plan.groups.index(group)]  # the spec fully_shard builds ([Note: one plan])
+    shard_dims = tuple(p.dim for p in spec.params)
+    overrides = [p.mixed_precision for p in spec.params if p.overridden]
     return GroupRow(
         paths=group.paths,
         rule=rule_label(config, group.rule_index),

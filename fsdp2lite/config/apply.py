@@ -37,7 +37,8 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     if mesh is None and not problems:
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
     if mesh is not None:
-        problems += mesh_problems(plan, config, mesh_info_for(mesh).shard_size)
+        info = mesh_info_for(mesh)
+        problems += mesh_problems(plan, config, info.shard_size, info.replicate_size)
     if problems:
         raise ConfigError("config applied to " + type(model).__name__, problems)
     with ModuleSnapshot(model.modules()).all_or_nothing():  # the model is as it was before the call, or sharded

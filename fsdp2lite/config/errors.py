@@ -4,15 +4,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
-
-class Problem(NamedTuple):
-    """One problem in a config: where, what, and what would be valid."""
-
-    location: str  # dotted path, e.g. "wrap.1.match.clas"
-    message: str
-    suggestion: str
+from .._plan import Problem  # one record for fully_shard's problems and a config's
 
 
 class ConfigError(ValueError):

@@ -8,13 +8,14 @@ collects the ignored and the dim-sharded parameters and records every problem in
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
 
-from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy, reduce_dtype_problem_by_policy
+from .._plan import GroupSettings, GroupSpec, MeshShape, ParamSpec, group_problems, join_path, owned_params
+from .._plan import mesh_problems as plan_mesh_problems
+from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
 
@@ -65,6 +66,9 @@ class Plan:
     refused: list[Problem] = field(default_factory=list)  # parameters that cannot be sharded as planned
     shard_dims: dict[str, int] = field(default_factory=dict)  # parameter path -> shard dim, for matched ones
     precision: dict[str, MixedPrecisionPolicy] = field(default_factory=dict)  # parameter path -> its override
+    dim_rules: dict[str, int] = field(default_factory=dict)  # parameter path -> the shard_placement rule that set it
+    specs: list[GroupSpec] = field(default_factory=list)  # per group: what fully_shard will build ([Note: one plan])
+    places: dict[str, tuple[tuple[nn.Module, str], ...]] = field(default_factory=dict)  # path -> (module, attribute)s
 
 
 def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
@@ -97,27 +101,47 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
             paths = tuple(p for p, _ in batch)
             depth = max(p.count(".") + 1 for p in paths)
             plan.groups.append(GroupPlan(paths, tuple(m for _, m in batch), index, policy, depth))
-    for group in plan.groups:
-        for path, module in zip(group.paths, group.modules):
-            if type(module).forward is nn.Module.forward:
-                plan.refused.append(
-                    Problem(
-                        path,
-                        f"a {type(module).__name__} has no forward, so fully_shard cannot make it a group "
-                        f"(matched by wrap.{group.rule_index})",
-                        f"match its children instead, e.g. path: '{path}.*'",
-                    )
-                )
     plan.groups.sort(key=lambda g: -g.depth)  # stable: rule order within a depth
     plan.groups.append(GroupPlan(("",), (model,), None, top, 0))
     _plan_ignored(model, config, plan, class_names)
-    plan.params, refused = _assign_params(plan.groups, {id(p) for p in plan.ignored.values()})
+    plan.params, refused = _assign_params(plan.groups, plan)
     plan.refused.extend(refused)
     _plan_precision(model, config, plan)
-    plan.refused.extend(_dtype_problems(plan))
-    plan.refused.extend(_resident_problems(plan))
     _plan_shard_dims(model, config, plan)
+    plan.specs = [_group_spec(group, params, plan) for group, params in zip(plan.groups, plan.params)]
+    for spec in plan.specs:
+        plan.refused.extend(group_problems(spec))  # fully_shard's own checks ([Note: one plan])
     return plan
+
+
+def _group_spec(group: GroupPlan, params: dict[str, nn.Parameter], plan: Plan) -> GroupSpec:
+    """The spec ``fully_shard`` builds for ``group`` (no mesh yet), its parameters named by model paths."""
+    policy = group.policy
+    kwargs = policy.fully_shard_kwargs()
+    specs = []
+    for name, param in params.items():
+        override = plan.precision.get(name)
+        rule = plan.dim_rules.get(name)
+        specs.append(
+            ParamSpec(
+                name,
+                param,
+                plan.places[name],
+                plan.shard_dims.get(name, 0),
+                "the default" if rule is None else f"shard_placement.{rule}",
+                override or policy.mixed_precision,
+                override is not None,
+            )
+        )
+    settings = GroupSettings(
+        policy.mixed_precision,
+        kwargs["offload_policy"],
+        kwargs["comm_policy"],
+        kwargs["sharding"],
+        kwargs["reshard_after_forward"],
+    )
+    label = " + ".join(path or "<root>" for path in group.paths)
+    return GroupSpec(label, group.modules, group.paths, tuple(specs), settings, mesh=None)
 
 
 def _rule_hits(names: list[str], paths: str | list[str], location: str, plan: Plan) -> list[str]:
@@ -140,99 +164,32 @@ def _plan_precision(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
             plan.precision.setdefault(name, rule.policy())
 
 
-def _resident_problems(plan: Plan) -> list[Problem]:
-    """ZeRO-1/2 groups keep their parameters: a reshard_after_forward that frees them contradicts it."""
-    problems = []
-    for group in plan.groups:
-        value = group.policy.reshard_after_forward
-        if group.policy.sharding.resident and value not in ("auto", False):
-            label = " + ".join(path or "<root>" for path in group.paths)
-            problems.append(
-                Problem(
-                    label,
-                    f"sharding.shard: optimizer (ZeRO-1/2) keeps the parameters unsharded between steps, but "
-                    f"reshard_after_forward: {str(value).lower()} would free them",
-                    "leave reshard_after_forward at auto (or false) for it, or use sharding.shard: params",
-                )
-            )
-    return problems
-
-
-def _dtype_problems(plan: Plan) -> list[Problem]:
-    """fully_shard's rule: a group's trainable parameters under one policy reduce in one dtype
-    (``reduce_dtype_problem``; an override's parameters reduce apart: ``precision_overrides``)."""
-    problems = []
-    for group, params in zip(plan.groups, plan.params):
-        policies = {name: plan.precision.get(name, group.policy.mixed_precision) for name in params}
-        problem = reduce_dtype_problem_by_policy(params, policies)
-        if problem is not None:
-            label = " + ".join(path or "<root>" for path in group.paths)
-            problems.append(
-                Problem(
-                    label,
-                    problem,
-                    "set mixed_precision.param_dtype (or reduce_dtype) for it, freeze the odd parameters, or give "
-                    "them a group of their own",
-                )
-            )
-    return problems
-
-
-def mesh_problems(plan: Plan, config: FSDPConfig, shard_size: int) -> list[Problem]:
-    """What only the mesh decides: an int ``reshard_after_forward`` must divide the shard degree. Shared
-    by ``apply_config`` (its mesh) and ``explain`` (its ``--world-size``)."""
-    problems = []
-    divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0]
-    for group in plan.groups:
-        value = group.policy.reshard_after_forward
-        if isinstance(value, int) and not isinstance(value, bool) and shard_size % value:
-            rule = group.rule_index
-            location = (
-                "reshard_after_forward"
-                if rule is None or config.wrap[rule].reshard_after_forward is None
-                else f"wrap.{rule}.reshard_after_forward"
-            )
-            problem = Problem(
-                location,
-                f"{value} does not divide the shard degree {shard_size}",
-                f"use one of {divisors}, true or false",
-            )
+def mesh_problems(plan: Plan, config: FSDPConfig, shard_size: int, replicate_size: int = 1) -> list[Problem]:
+    """What only the mesh decides (an int ``reshard_after_forward`` must divide the shard degree, HFSDP needs
+    replicas...): ``fully_shard``'s mesh checks on each planned group. Shared by ``apply_config`` (its mesh) and
+    ``explain`` (its ``--world-size``). ``config``: kept for callers of earlier releases."""
+    mesh = MeshShape(shard_size, replicate_size)
+    problems: list[Problem] = []
+    for group, spec in zip(plan.groups, plan.specs):
+        rule = "" if group.rule_index is None else f"wrap.{group.rule_index}"
+        for problem in plan_mesh_problems(spec.on_mesh(mesh)):
+            if problem.location == spec.label:  # a group's setting: name the rule that gave it, once for its groups
+                problem = problem._replace(location=rule)
             if problem not in problems:
                 problems.append(problem)
     return problems
 
 
 def _plan_shard_dims(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
-    """Each ``shard_placement`` rule's parameters (first match wins), with their dims checked."""
+    """Each ``shard_placement`` rule's parameters (first match wins); the dims are checked with the rest of the
+    group's plan (``_plan.group_problems``)."""
     params = {name: p for name, p in model.named_parameters() if name not in plan.ignored}
     for index, rule in enumerate(config.shard_placement):
-        hits = _rule_hits(list(params), rule.path, f"shard_placement.{index}", plan)
-        for name in hits:
-            if name in plan.shard_dims:
-                continue  # an earlier rule took it
-            ndim = params[name].dim()
-            if not -ndim <= rule.dim < ndim:
-                plan.refused.append(
-                    Problem(
-                        name,
-                        f"shard_placement.{index} asks for dim {rule.dim}, but the parameter has shape "
-                        f"{tuple(params[name].shape)}",
-                        f"use a dim in 0 .. {ndim - 1} (or -{ndim} .. -1), or a narrower path",
-                    )
-                )
-                continue
-            plan.shard_dims[name] = rule.dim % ndim
-    for name, dim in plan.shard_dims.items():
-        group = next((g for g, owned in zip(plan.groups, plan.params) if name in owned), None)
-        reshard = group.policy.reshard_after_forward if group is not None else None
-        if dim and isinstance(reshard, int) and not isinstance(reshard, bool) and reshard > 1:
-            plan.refused.append(
-                Problem(
-                    name,
-                    f"sharded on dim {dim}, but its group reshards to {reshard} ranks after forward (dim-0 chunks)",
-                    "use reshard_after_forward: true or false for that group, or shard the parameter on dim 0",
-                )
-            )
+        for name in _rule_hits(list(params), rule.path, f"shard_placement.{index}", plan):
+            if name not in plan.shard_dims:  # else an earlier rule took it
+                ndim = params[name].dim()
+                plan.shard_dims[name] = rule.dim % ndim if -ndim <= rule.dim < ndim else rule.dim  # else refused
+                plan.dim_rules[name] = index
 
 
 def _rule_policy(top: GroupPolicy, rule: WrapRule) -> GroupPolicy:
@@ -272,24 +229,25 @@ def _plan_ignored(model: nn.Module, config: FSDPConfig, plan: Plan, class_names:
             plan.ignored[name] = params[name]
 
 
-def _assign_params(groups: list[GroupPlan], ignored: set[int]) -> tuple[list[dict[str, nn.Parameter]], list[Problem]]:
-    """Each group's parameters (name -> parameter), sharding in plan order as ``apply_config`` does."""
+def _assign_params(groups: list[GroupPlan], plan: Plan) -> tuple[list[dict[str, nn.Parameter]], list[Problem]]:
+    """Each group's parameters (name -> parameter), sharding in plan order as ``apply_config`` does: the walk
+    ``fully_shard`` makes (``_plan.owned_params``), stopping at the modules of the groups planned before."""
+    ignored = {id(p) for p in plan.ignored.values()}
     owned: list[dict[str, nn.Parameter]] = []
-    refused: list[Problem] = []  # fully_shard raises for these, or (ties across sibling groups) unties them
+    refused: list[Problem] = []  # ties across sibling groups: fully_shard raises for them
     applied: set[int] = set()  # ids of modules of groups sharded before this one
     taken: dict[int, str] = {}  # id(parameter) -> label of the group that owns it
     for group in groups:
         label = " + ".join(path or "<root>" for path in group.paths)
         params: dict[str, nn.Parameter] = {}
-        for name, param in _group_params(group, applied, ignored):
+        for name, param, places in owned_params(zip(group.paths, group.modules), lambda m: id(m) in applied, ignored):
             if id(param) in taken:
                 if taken[id(param)] != label:
                     refused.append(_tie_problem(name, taken[id(param)]))
                 continue
             taken[id(param)] = label
             params[name] = param
-            if param.dim() == 0:
-                refused.append(Problem(name, "0-dim parameter: fully_shard shards on dim 0", _ignore_hint(name)))
+            plan.places[name] = tuple(places)
         owned.append(params)
         applied.update(id(module) for module in group.modules)
     return owned, refused
@@ -301,32 +259,3 @@ def _tie_problem(name: str, owner: str) -> Problem:
         f"tied to a parameter that group '{owner}' already owns; a tie must stay within one group",
         "put the modules sharing it in one rule with group: true, or leave them to one enclosing group",
     )
-
-
-def _ignore_hint(name: str) -> str:
-    return f"make it shape (1,), or leave it unsharded: ignore: [{{path: {name}}}]"
-
-
-def _group_params(group: GroupPlan, applied: set[int], ignored: set[int]) -> Iterator[tuple[str, nn.Parameter]]:
-    """(name, parameter) of the group's modules, not descending into modules of earlier groups."""
-    seen: set[int] = set()
-    for path, module in zip(group.paths, group.modules):
-        for prefix, submodule in _walk(module, path, applied, seen):
-            for name, param in submodule._parameters.items():
-                if param is not None and id(param) not in ignored:
-                    yield join_path(prefix, name), param
-
-
-def _walk(module: nn.Module, path: str, applied: set[int], seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    yield path, module
-    for name, child in module.named_children():
-        if id(child) not in applied:
-            yield from _walk(child, join_path(path, name), applied, seen)
-
-
-def join_path(prefix: str, name: str) -> str:
-    """A module or parameter path: ``prefix.name``, or ``name`` at the root."""
-    return f"{prefix}.{name}" if prefix else name

@@ -229,17 +229,16 @@ def group_bytes(
     """Per group, its ``GroupBytes``; ``nf4``: parameter paths stored in NF4 (qlora's adapted base weights);
     ``pinned``: a CUDA target, where ``pin_memory`` pins (a CPU target's host memory is pageable)."""
     out = []
-    for group, params in zip(plan.groups, plan.params):
-        group_mp = group.policy.mixed_precision
+    for group, spec in zip(plan.groups, plan.specs):  # the spec fully_shard builds ([Note: one plan])
         sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
         pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
         requests = []  # host buffers of their own (NF4, HFSDP shards): rounded if pinned
         packed = 0  # the group's one host buffer, pinned at its exact size ([Note: one host buffer per group])
         own_buffers = group.policy.sharding.replica_sharded
-        for name, p in params.items():
-            dim = plan.shard_dims.get(name, 0)
+        for param in spec.params:
+            name, p, dim = param.fqn, param.param, param.dim
             padded = _padded_numel(p, shard, dim)  # all-gather layout
-            policy = plan.precision.get(name, group_mp)  # [Note: per-parameter mixed precision]
+            policy = param.mixed_precision  # the group's or its own: [Note: per-parameter mixed precision]
             compute = padded * element_size(cast_dtype(p, policy.param_dtype))
             if name in nf4:
                 stored, gathered = nf4_bytes(padded // shard), nf4_bytes(padded)

@@ -248,18 +248,19 @@ def comm_bytes(
     overrides = bytes_per_weight or {}
     forward = backward = reduced = collectives = host = nvme = gathers = 0
     last = len(plan.groups) - 1
-    for index, (group, params) in enumerate(zip(plan.groups, plan.params)):
-        if not params:
+    for index, (group, spec) in enumerate(zip(plan.groups, plan.specs)):  # the spec fully_shard builds
+        if not spec.params:
             continue
         policy = group.policy
-        mp, wire = policy.mixed_precision, policy.communication
+        wire = policy.communication
         gather = scatter = stored = reduce_rows = trained = 0
-        for name, param in params.items():
-            padded_shard = sharded_nbytes(param, shard, plan.shard_dims.get(name, 0))
+        for planned in spec.params:
+            param = planned.param
+            padded_shard = sharded_nbytes(param, shard, planned.dim)
             rows = padded_shard // param.element_size()
-            override = overrides.get(name)
+            override = overrides.get(planned.fqn)
             stored += padded_shard if override is None else math.ceil(rows * override)
-            own = plan.precision.get(name, mp)  # [Note: per-parameter mixed precision]
+            own = planned.mixed_precision  # the group's or its own: [Note: per-parameter mixed precision]
             gather += _encoded(rows, shard, override, cast_dtype(param, own.param_dtype), wire.all_gather,
                                wire.block_size)  # fmt: skip
             if param.requires_grad:

@@ -67,16 +67,18 @@ _hooks: list[Any] = []  # the two global step hooks, registered once per process
 _file_numbers = itertools.count()
 
 
-def check_nvme_path(path: str, owner: str, state_bytes: int | None = None) -> None:
-    """ValueError naming ``path`` (and the bytes it is for, ``state_bytes``: this rank's AdamW state of the
-    group, about) unless it is an existing, writable directory (checked at ``fully_shard``)."""
+def nvme_path_problem(path: str, state_bytes: int | None = None) -> tuple[str, str] | None:
+    """Why ``path`` cannot hold the NVMe state files (and what would do), or None: it must be an existing,
+    writable directory. ``state_bytes``: this rank's AdamW state of the group, about, for the message. Asked by
+    ``fully_shard``'s plan (``_plan.py``) and ``fsdp2lite doctor --nvme-path``."""
     need = "" if state_bytes is None else f" (it is to hold about {state_bytes:,} bytes of optimizer state per rank)"
     if not os.path.exists(path):
-        raise ValueError(f"{owner}: nvme_path {path!r} does not exist{need}; create the directory on a fast disk")
+        return f"nvme_path {path!r} does not exist{need}", "create the directory on a fast disk"
     if not os.path.isdir(path):
-        raise ValueError(f"{owner}: nvme_path {path!r} is not a directory{need}; give the directory for the files")
+        return f"nvme_path {path!r} is not a directory{need}", "give the directory for the files"
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{owner}: nvme_path {path!r} is not writable by this process{need}; give a writable one")
+        return f"nvme_path {path!r} is not writable by this process{need}", "give a writable one"
+    return None
 
 
 def make_nvme_state(group: GroupView) -> None:
