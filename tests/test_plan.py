@@ -21,8 +21,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp2lite as fl
 from fsdp2lite._plan import GroupSpec, MeshShape, PlanError, group_problems, owned_params
 
-pytestmark = pytest.mark.oldest_torch
-
 
 @pytest.fixture
 def four_ranks() -> Iterator[Any]:
