@@ -53,27 +53,27 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
     recorder = TraceRecorder(rank)
     if state.root_context is not None:
         recorder.schedule = state.root_context.schedule_settings()  # else set at lazy init
-    with _on_root_comm(state, "trace_recorder", "recorder", recorder):
+    with _on_root_meters(state, "trace_recorder", "recorder", recorder):
         yield recorder
 
 
 @contextmanager
-def _on_root_comm(state: Any, state_attr: str, comm_attr: str, value: Any) -> Iterator[None]:
-    """Hand ``value`` to the root's shared Comm for the block: kept on the root's state (lazy init hands
-    it over, if still to come) and set on the live Comm; both taken back after."""
-    _hand_over(state, state_attr, comm_attr, value)
+def _on_root_meters(state: Any, state_attr: str, meters_attr: str, value: Any) -> Iterator[None]:
+    """Hand ``value`` to the root's shared Meters for the block: kept on the root's state (lazy init hands
+    it over, if still to come) and set on the live Meters (and, a recorder, the host engine); taken back after."""
+    _hand_over(state, state_attr, meters_attr, value)
     try:
         yield
     finally:
-        _hand_over(state, state_attr, comm_attr, None)
+        _hand_over(state, state_attr, meters_attr, None)
 
 
-def _hand_over(state: Any, state_attr: str, comm_attr: str, value: Any) -> None:
+def _hand_over(state: Any, state_attr: str, meters_attr: str, value: Any) -> None:
     setattr(state, state_attr, value)
     context = state.root_context
-    if context is not None and context.comm is not None:
-        setattr(context.comm, comm_attr, value)
-    if comm_attr == "recorder" and context is not None and context.host is not None:
+    if context is not None and context.meters is not None:
+        setattr(context.meters, meters_attr, value)
+    if meters_attr == "recorder" and context is not None and context.host is not None:
         context.host.trace_to(value)  # host steps and the waits for them: [Note: the host engine]
 
 
@@ -197,5 +197,5 @@ def count_wire_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
             f"count_wire_bytes takes the root module fully_shard was applied to, got {type(model).__name__}"
         )
     counts: dict[str, int] = {}
-    with _on_root_comm(model._fsdp_state, "wire_counts", "wire", counts):
+    with _on_root_meters(model._fsdp_state, "wire_counts", "wire", counts):
         yield counts

@@ -95,9 +95,9 @@ def _check_direct(mp: fl.MixedPrecisionPolicy | None, rank: int) -> None:
     directs: list[bool] = []
     original = PlainGather.issue
 
-    def recording(form, comm):  # noqa: ANN001, ANN202
+    def recording(form, comm, meters):  # noqa: ANN001, ANN202
         directs.append(form.direct)  # the all-gather writes the parameter's storage: [Note: copy-out by views]
-        return original(form, comm)
+        return original(form, comm, meters)
 
     PlainGather.issue = recording  # type: ignore[method-assign]
     try:

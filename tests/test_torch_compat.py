@@ -417,6 +417,7 @@ def check_share_comm_ctx(rank: int, world_size: int) -> None:
     stages[1](stages[0](x)).sum().backward()
     contexts = [stage._fsdp_state.root_context for stage in stages]
     assert contexts[0] is not contexts[1] and contexts[0].comm is contexts[1].comm
+    assert contexts[0].host is contexts[1].host and contexts[0].meters is contexts[1].meters
     with pytest.raises(ValueError, match="takes FSDPModules"):
         fl.share_comm_ctx([nn.Linear(2, 2)])
 

@@ -30,8 +30,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .trace import TraceRecorder
-
 # torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -39,14 +37,13 @@ STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduc
 
 
 class Comm:
-    """Streams (CUDA) or nothing (CPU), and the trace recorder and wire counters of the collectives it runs. The
-    host side of offload is not here: ``fsdp2lite.host`` ([Note: the host engine] in seams.py)."""
+    """Streams and events (CUDA) or work handles (CPU): where collectives run and how their consumers wait. What is
+    measured of them is the root's ``Meters`` (trace.py); the host side of offload is ``fsdp2lite.host``
+    ([Note: the host engine] in seams.py)."""
 
     device: torch.device
     streams: dict[str, torch.cuda.Stream] | None  # None on CPU
-    recorder: TraceRecorder | None  # None: tracing off, and free
     wait_instead: torch.Event | None  # while set, side streams wait on it, not the compute stream
-    wire: dict[str, int] | None  # while set (fl.count_wire_bytes): bytes this rank sent, per collective kind
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -54,14 +51,7 @@ class Comm:
         if device.type == "cuda":
             # high priority so communication kernels are not starved by compute kernels
             self.streams = {name: torch.cuda.Stream(device, priority=-1) for name in STREAM_NAMES}
-        self.recorder = None
         self.wait_instead = None
-        self.wire = None
-
-    def count(self, kind: str, sent: int) -> None:
-        """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""
-        if self.wire is not None:
-            self.wire[kind] = self.wire.get(kind, 0) + sent
 
     @property
     def async_work(self) -> bool:

@@ -64,13 +64,14 @@ import torch
 from .comm import AllGatherResult, Comm, Ranks, all_gather_flat
 from .param import FSDPParam
 from .quantize import block_segments, copy_out_quantized, encode_group
+from .trace import Meters
 
 
 class GatherForm(Protocol):
     """How a group all-gathers ([Note: gather forms])."""
 
-    def issue(self, comm: Comm) -> AllGatherResult:
-        """Copy this rank's shards in and start the collective."""
+    def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
+        """Copy this rank's shards in and start the collective (its bytes counted in ``meters``)."""
         ...
 
     def copy_out(self, output: torch.Tensor) -> bool:
@@ -123,9 +124,11 @@ class PlainGather:
         only = params[0]
         self.direct = len(params) == 1 and only.shard_dim == 0 and custom is None  # [Note: copy-out by views]
 
-    def issue(self, comm: Comm) -> AllGatherResult:
+    def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         into = self.params[0].alloc_unsharded() if self.direct else None
-        return issue_all_gather(self.sources, self.numels, self.ranks, self.dtype, comm, custom=self.custom, into=into)
+        return issue_all_gather(
+            self.sources, self.numels, self.ranks, self.dtype, comm, custom=self.custom, into=into, meters=meters
+        )
 
     def copy_out(self, output: torch.Tensor) -> bool:
         if self.direct:
@@ -150,11 +153,11 @@ class ByteGather:
         self.offloaded = params[0].offload_to_cpu  # [Note: offloaded hooked parameters]
         self.numels: list[int] = []
 
-    def issue(self, comm: Comm) -> AllGatherResult:
+    def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         # offloaded: device copy + pre hook on the copy-in stream, [Note: offloaded hooked parameters]
         with comm.on("all_gather_copy_in") if self.offloaded else nullcontext():
             sources, self.numels = byte_sources(self.params)
-        return issue_all_gather(sources, self.numels, self.ranks, torch.uint8, comm, custom=self.custom)
+        return issue_all_gather(sources, self.numels, self.ranks, torch.uint8, comm, custom=self.custom, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_all_gather(output, self.params, self.ranks.size, self.numels, as_bytes=True)
@@ -184,13 +187,14 @@ class QuantizedGather(PlainGather):
         self.staging: torch.Tensor | None = None  # the block-aligned segments, made at the first use
         self.code_bytes = 0
 
-    def issue(self, comm: Comm) -> AllGatherResult:
+    def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         if self.staging is None:  # zeroed once: the block padding between segments stays zero
             staging_numel = sum(block_segments(self.params, self.block))
             self.staging = torch.zeros(staging_numel, dtype=self.params[0].orig_dtype, device=comm.device)
         codes, scales = encode_group(self.params, self.staging, comm, self.kind, self.block)
         self.code_bytes = codes.numel()
-        return issue_all_gather([codes, scales], [codes.numel(), scales.numel()], self.ranks, torch.uint8, comm)
+        sizes = [codes.numel(), scales.numel()]
+        return issue_all_gather([codes, scales], sizes, self.ranks, torch.uint8, comm, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_quantized(output, self.params, self.ranks.size, self.code_bytes, kind=self.kind, block=self.block)
@@ -209,10 +213,10 @@ class Regather:
         self.as_bytes = buffer.dtype == torch.uint8
         self.hooked = tuple(p for p in params if p.extension is not None)
 
-    def issue(self, comm: Comm) -> AllGatherResult:
+    def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         for param in self.hooked:
             param.extension.reallocate()  # type: ignore[union-attr]  # its hook is not called again
-        return issue_all_gather([self.buffer], [self.buffer.numel()], self.sub, self.buffer.dtype, comm)
+        return issue_all_gather([self.buffer], [self.buffer.numel()], self.sub, self.buffer.dtype, comm, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_all_gather(output, self.params, self.slots, self.numels, as_bytes=self.as_bytes)
@@ -234,6 +238,7 @@ def issue_all_gather(
     *,
     custom: Any = None,
     into: torch.Tensor | None = None,
+    meters: Meters,
 ) -> AllGatherResult:
     """Copy ``sources`` (this rank's flat padded shards, ``numels`` elements each) into this rank's slot
     of one flat buffer and start one in-place all-gather over ``ranks``.
@@ -268,7 +273,7 @@ def issue_all_gather(
             )
         elif ranks.size > 1:  # one rank: the copy-in already wrote the whole output, as torch sends nothing
             work = all_gather_flat(all_gather_output, all_gather_input, group=ranks.group, async_op=comm.async_work)
-    comm.count("all_gather", (ranks.size - 1) * all_gather_input.nbytes)  # a ring: every other rank's slot
+    meters.count("all_gather", (ranks.size - 1) * all_gather_input.nbytes)  # a ring: every other rank's slot
     return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
 
 

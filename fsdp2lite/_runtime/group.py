@@ -25,6 +25,7 @@ from .param import FSDPParam
 from .reduce import ReduceScatterResult
 from .seams import GroupStorage, HostSide
 from .states import ShardedState, TrainingState
+from .trace import Meters
 
 
 class FSDPParamGroup(GroupChoices):
@@ -48,7 +49,8 @@ class FSDPParamGroup(GroupChoices):
     post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
     offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
-    _comm: Comm | None  # device primitives and the trace recorder; the root's, shared, after lazy init
+    _comm: Comm | None  # streams, events, work handles; the root's, shared, after lazy init
+    meters: Meters  # trace recorder and wire counts; the root's, shared, after lazy init
     host: HostSide  # the host engine ([Note: the host engine] in seams.py); the root's, shared, after lazy init
     forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
     backward_prefetch: list[FSDPParamGroup] | None
@@ -97,6 +99,7 @@ class FSDPParamGroup(GroupChoices):
         self.reduce_scatter_result = None
         self.offload_event = None
         self._comm = None
+        self.meters = Meters()
         self.host = host
         self.forward_prefetch = None
         self.backward_prefetch = None
@@ -156,7 +159,7 @@ class FSDPParamGroup(GroupChoices):
                 return
             self.sync_extensions()
             form = self.gather
-        self.pending_unshard = PendingUnshard(form.issue(self.comm), form)
+        self.pending_unshard = PendingUnshard(form.issue(self.comm, self.meters), form)
         self.trace("all_gather_issue")
 
     def sync_extensions(self) -> None:
@@ -291,7 +294,7 @@ class FSDPParamGroup(GroupChoices):
         params, grads = take_unsharded_grads(self.params, self.reduce_scatter_unused_params)  # the only references
         if not params:
             return
-        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, self.comm)
+        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, self.comm, self.meters)
         self.trace("reduce_scatter_issue")
 
     def finish_reduce_scatter(self) -> None:
@@ -301,7 +304,8 @@ class FSDPParamGroup(GroupChoices):
             return
         self.reduce_scatter_result = None  # frees the flat buffers once applied: [Note: buffer lifetime]
         with self.trace_span("reduce_scatter_wait"):
-            output = self.replica_step.reduce(result.form.finish(result, self.comm), result.params, self.comm)
+            finished = result.form.finish(result, self.comm)
+            output = self.replica_step.reduce(finished, result.params, self.comm, self.meters)
             if output is None:
                 return  # kept for a later step across replicas
             factor = self.gradient_divide_factor or float(self.mesh_info.data_parallel_size)
@@ -344,12 +348,12 @@ class FSDPParamGroup(GroupChoices):
 
     # ---- tracing (free when off) ----------------------------------------------------------
     def trace(self, event: str) -> None:
-        recorder = self.comm.recorder
+        recorder = self.meters.recorder
         if recorder is not None:
             recorder.instant(event, self.name or "<root>", self.training_state.name)
 
     def trace_span(self, event: str) -> AbstractContextManager[None]:
-        recorder = self.comm.recorder
+        recorder = self.meters.recorder
         if recorder is None:
             return nullcontext()
         return recorder.span(event, self.name or "<root>", self.training_state.name)

@@ -85,8 +85,8 @@ class FSDPState:
     in_forward_method: bool  # a registered forward method is running: its pass stays open until it returns
     schedule_overrides: dict[str, Any]  # as root: ScheduleDefaults fields the user set ([Note: prefetch])
     step_settings: dict[str, Any]  # RootContext fields set before lazy init (is_last_backward, post_optim_event)
-    trace_recorder: TraceRecorder | None  # as root: handed to the shared Comm at lazy init
-    wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Comm likewise
+    trace_recorder: TraceRecorder | None  # as root: handed to the shared Meters at lazy init
+    wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Meters likewise
     shared_comm: SharedComm | None  # as root: a Comm and host engine shared with other roots (``share_comm_ctx``)
 
     def __init__(
@@ -146,9 +146,9 @@ class FSDPState:
                 check_materialized(state.group, names[id(state)])
                 check_reduce_dtypes(state.group, names[id(state)])
         context = RootContext(states, self.schedule_overrides, self.shared_comm)
-        if context.comm is not None:
-            context.comm.recorder = self.trace_recorder
-            context.comm.wire = self.wire_counts
+        if context.meters is not None:
+            context.meters.recorder = self.trace_recorder
+            context.meters.wire = self.wire_counts
         if context.host is not None:
             context.host.trace_to(self.trace_recorder)
         if self.trace_recorder is not None:

@@ -70,6 +70,7 @@ from .comm import Comm, Ranks
 from .grads import to_one_dtype
 from .param import FSDPParam
 from .quantize import exchange_rows, sum_received
+from .trace import Meters
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -148,7 +149,9 @@ class ReduceForm:
         self.ranks = ranks
         self.allocate = custom.allocate if custom is not None else torch.empty  # set_custom_reduce_scatter
 
-    def issue(self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm) -> ReduceScatterResult:
+    def issue(
+        self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm, meters: Meters
+    ) -> ReduceScatterResult:
         """Lay the unsharded grads out rank-major in one flat buffer, in the parameters' one reduce dtype, and
         start the collective.
 
@@ -167,12 +170,12 @@ class ReduceForm:
         chunk_cat(grads, size, rank_major)
         grads.clear()  # the last references: the grads are freed now
         with comm.on("reduce_scatter"):  # after the copy-in on the compute stream
-            output, sent, work = self.start(reduce_scatter_input, rank_major, comm)
+            output, sent, work = self.start(reduce_scatter_input, rank_major, comm, meters)
         event = comm.record("reduce_scatter")
         return ReduceScatterResult(output, sent, params, work, event=event, form=self)
 
     def start(
-        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         """The collective over the copied-in ``flat`` (shard_size * group_numel,), viewed ``rank_major``
         (shard_size, group_numel); returns (output, what it sends, held until the finish, work)."""
@@ -193,7 +196,7 @@ class NativeReduceScatter(ReduceForm):
         self.custom = custom
 
     def start(
-        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         output = self.allocate((rank_major.shape[1],), dtype=rank_major.dtype, device=comm.device)
         if self.custom is not None:
@@ -206,7 +209,7 @@ class NativeReduceScatter(ReduceForm):
             )
             return output, flat, work
         work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=False, async_op=comm.async_work)
-        comm.count("reduce_scatter", flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        meters.count("reduce_scatter", flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
         return output, flat, work
 
 
@@ -215,13 +218,13 @@ class InPlaceReduce(ReduceForm):
     reduce-scatter]); one rank sends nothing and keeps the whole input as the gradients' storage."""
 
     def start(
-        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         output = rank_major[self.ranks.rank]  # (group_numel,) view
         if self.ranks.size == 1:
             return output, flat, None  # one rank sends nothing, as torch's
         work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=True, async_op=comm.async_work)
-        comm.count("all_reduce", 2 * flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        meters.count("all_reduce", 2 * flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
         return output, flat, work
 
     def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
@@ -242,10 +245,10 @@ class AllToAllReduce(ReduceForm):
         self.mode, self.block = mode, block
 
     def start(
-        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm
+        self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         send, received, work = exchange_rows(rank_major, self.mode, self.block, self.ranks.group, comm.async_work)
-        comm.count("all_to_all", send.nbytes * (self.ranks.size - 1) // self.ranks.size)  # every row but its own
+        meters.count("all_to_all", send.nbytes * (self.ranks.size - 1) // self.ranks.size)  # every row but its own
         return received, send, work
 
     def finish(self, result: ReduceScatterResult, comm: Comm) -> torch.Tensor:
@@ -288,7 +291,9 @@ def choose_reduce(ranks: Ranks, device: torch.device, policy: Any, custom: Any, 
 class ReplicaStep(Protocol):
     """What follows the shard group's reduction across the replicas of a 2-D mesh ([Note: reduce forms])."""
 
-    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+    def reduce(
+        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
+    ) -> torch.Tensor | None:
         """``output`` reduced across the replicas (None: kept on the parameters for a later step)."""
         ...
 
@@ -296,7 +301,9 @@ class ReplicaStep(Protocol):
 class NoReplicas:
     """A 1-D mesh: the shard group's sums are the whole sums."""
 
-    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+    def reduce(
+        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
+    ) -> torch.Tensor | None:
         return output
 
 
@@ -310,11 +317,13 @@ class ReplicaAllReduce:
         self.group = group
         self.replicas = dist.get_world_size(group)
 
-    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+    def reduce(
+        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
+    ) -> torch.Tensor | None:
         with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
             folded = [param.add_partial_reduced_grad(slot) for param, slot in _slots(output, params)]
             work = _all_reduce(output, op=dist.ReduceOp.SUM, group=self.group, async_op=comm.async_work)
-            comm.count("replica_all_reduce", 2 * output.nbytes * (self.replicas - 1) // self.replicas)
+            meters.count("replica_all_reduce", 2 * output.nbytes * (self.replicas - 1) // self.replicas)
         comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
         del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
         return output
@@ -327,7 +336,9 @@ class ReplicaReduceScatter:
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas  # the group's ReplicaSync
 
-    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+    def reduce(
+        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
+    ) -> torch.Tensor | None:
         for param, slot in _slots(output, params):
             param.add_partial_reduced_grad(slot)
         return self.replicas.reduce_scatter(output, params)
@@ -337,7 +348,9 @@ class DeferredReplicas:
     """HSDP or HFSDP with ``set_requires_all_reduce(False)``: the replica-local sums are kept on the
     parameters (``partial_reduced_grad``) and added in by the next step across replicas; nothing is lost."""
 
-    def reduce(self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm) -> torch.Tensor | None:
+    def reduce(
+        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
+    ) -> torch.Tensor | None:
         for param, slot in _slots(output, params):
             param.keep_partial_reduced_grad(slot)
         return None

@@ -148,7 +148,7 @@ class ReplicaSync(ShardRefresher):
         received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
         all_gather_flat(received, send, group=self.replicate_group)
         received = received.view(info.replicate_size, send.numel())
-        comm.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
+        self.group.meters.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
         for param, columns in zip(params, received.split(sizes, dim=1)):
             chunks = columns.contiguous().view(param.padded_shard.dtype)
             rows = chunks.view(info.replicate_size * pieces(param).slot_rows, *param.gather_shape[1:])
@@ -175,5 +175,6 @@ class ReplicaSync(ShardRefresher):
         received = send[info.mesh.get_local_rank(0)] if in_place else torch.empty_like(send[0])
         _reduce_scatter_flat(received, send, group=self.replicate_group, in_place=in_place, async_op=False)
         ring = send.nbytes * (replicas - 1) // replicas
-        comm.count("replica_all_reduce" if in_place else "replica_reduce_scatter", 2 * ring if in_place else ring)
+        kind = "replica_all_reduce" if in_place else "replica_reduce_scatter"
+        self.group.meters.count(kind, 2 * ring if in_place else ring)
         return received.clone() if in_place else received

@@ -42,17 +42,20 @@ from .comm import Comm
 from .group import FSDPParamGroup
 from .seams import HostSide
 from .states import TrainingState
+from .trace import Meters
 
 
 class SharedComm:
-    """One Comm and one host engine for several roots (``share_comm_ctx``): the first root's lazy init sets both."""
+    """One Comm, host engine and Meters for several roots (``share_comm_ctx``): the first root's lazy init sets them."""
 
     comm: Comm | None
     host: HostSide | None
+    meters: Meters | None
 
     def __init__(self) -> None:
         self.comm = None
         self.host = None
+        self.meters = None
 
 
 class StateView(Protocol):
@@ -90,6 +93,7 @@ class RootContext:
     states: Sequence[StateView]  # root first, then the others in module order
     comm: Comm | None  # shared by every group; None when no group owns parameters
     host: HostSide | None  # the host engine, shared likewise ([Note: the host engine] in seams.py)
+    meters: Meters | None  # the trace recorder and wire counts, shared likewise
     forward_order: list[FSDPParamGroup]  # groups in the order of the first forward
     order_recorded: bool
     final_callback_queued: bool
@@ -105,14 +109,14 @@ class RootContext:
     ) -> None:
         self.states = states
         groups = self.groups()
-        self.comm = self.host = None
+        self.comm = self.host = self.meters = None
         if groups:
             shared = shared or SharedComm()
             if shared.comm is None:
-                shared.comm, shared.host = Comm(groups[0].mesh_info.device), groups[0].host
-            self.comm, self.host = shared.comm, shared.host
+                shared.comm, shared.host, shared.meters = Comm(groups[0].mesh_info.device), groups[0].host, Meters()
+            self.comm, self.host, self.meters = shared.comm, shared.host, shared.meters
         for group in groups:
-            group.comm, group.host = self.comm, self.host  # type: ignore[assignment]
+            group.comm, group.host, group.meters = self.comm, self.host, self.meters  # type: ignore[assignment]
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False

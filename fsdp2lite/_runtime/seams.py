@@ -2,8 +2,8 @@
 
 A module that keeps state beside a group (ZeRO-1/2's resident storage, HFSDP's replica collectives, host
 masters, the host arena, NVMe state) sees the group through ``GroupView``: its parameters, its mesh, its
-``Comm`` and its trace. ``FSDPParamGroup`` satisfies it structurally; mypy checks every use. The runtime in
-turn sees the host engine, which lives outside it, through ``HostSide`` ([Note: the host engine]).
+``Comm``, its ``Meters`` and its trace. ``FSDPParamGroup`` satisfies it structurally; mypy checks every use. The
+runtime in turn sees the host engine, which lives outside it, through ``HostSide`` ([Note: the host engine]).
 
 [Note: group storage]
 Where a group's shards live is decided at ``fully_shard`` and never re-tested per call: ZeRO-3 is the
@@ -48,7 +48,7 @@ import torch
 from ..mesh import MeshInfo
 from .comm import Comm
 from .param import FSDPParam
-from .trace import TraceRecorder
+from .trace import Meters, TraceRecorder
 
 
 class GroupStorage(Protocol):
@@ -85,6 +85,8 @@ class GroupView(Protocol):
 
     @property
     def comm(self) -> Comm: ...
+
+    meters: Meters  # the root's, after lazy init: what the companions' collectives send is counted there
 
     def trace(self, event: str) -> None: ...
 

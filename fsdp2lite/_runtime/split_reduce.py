@@ -29,6 +29,7 @@ import torch
 from .comm import Comm
 from .param import FSDPParam
 from .reduce import ReduceForm, ReduceScatterResult
+from .trace import Meters
 
 
 class SplitReduce(ReduceForm):
@@ -39,7 +40,9 @@ class SplitReduce(ReduceForm):
         super().__init__(inner.ranks)
         self.inner = inner
 
-    def issue(self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm) -> ReduceScatterResult:
+    def issue(
+        self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm, meters: Meters
+    ) -> ReduceScatterResult:
         """Issue one reduction per reduce dtype (in order of first appearance); the result's parameters are
         in part order, and its parts finish in ``finish``."""
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
@@ -50,8 +53,8 @@ class SplitReduce(ReduceForm):
         grads.clear()  # each part's list now holds the only references: freed at its copy-in
         if len(by_dtype) == 1:  # this backward's gradients (the trainable ones) reduce in one dtype
             (part_params, part_grads), *_ = by_dtype.values()
-            return self.inner.issue(tuple(part_params), part_grads, comm)
-        parts = tuple(self.inner.issue(tuple(ps), gs, comm) for ps, gs in by_dtype.values())
+            return self.inner.issue(tuple(part_params), part_grads, comm, meters)
+        parts = tuple(self.inner.issue(tuple(ps), gs, comm, meters) for ps, gs in by_dtype.values())
         ordered = tuple(param for part in parts for param in part.params)
         first = parts[0]
         return ReduceScatterResult(

@@ -1,5 +1,5 @@
 """The schedule recorder: what the runtime did, in order, with times. Off by default and free when off
-(every call site checks ``comm.recorder is not None``).
+(every call site checks ``meters.recorder is not None``).
 
 Events, per group (``name`` of the event):
     all_gather_issue      instant   an all-gather was started (own unshard or a prefetch)
@@ -37,6 +37,24 @@ class TraceEvent:
     start_s: float  # seconds since the recorder started
     duration_s: float  # 0 for instants
     lane: str = ""  # the Chrome trace lane ("tid") when not the group's: HOST_LANE for the host-step thread
+
+
+class Meters:
+    """What a root measures while asked to, free when not: the trace recorder (``fl.record_trace``) and the bytes
+    each collective kind sent (``fl.count_wire_bytes``). One per root, shared by its groups like ``Comm``, which
+    carries the collectives and measures nothing."""
+
+    recorder: TraceRecorder | None  # None: tracing off, and free
+    wire: dict[str, int] | None  # while set: bytes this rank sent, per collective kind
+
+    def __init__(self) -> None:
+        self.recorder = None
+        self.wire = None
+
+    def count(self, kind: str, sent: int) -> None:
+        """Record ``sent`` bytes leaving this rank in a ``kind`` collective (free when not counting)."""
+        if self.wire is not None:
+            self.wire[kind] = self.wire.get(kind, 0) + sent
 
 
 class TraceRecorder:
