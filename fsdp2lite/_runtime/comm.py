@@ -24,7 +24,7 @@ that stream's next allocation at once, trusting stream order. Two rules make tha
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 # torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_NO_STREAM = nullcontext()  # reusable: what ``Comm.on``/``after`` give on CPU, where there are no side streams
 
 STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")
 
@@ -58,15 +60,16 @@ class Comm:
         """CPU: collectives return Work handles to wait on; CUDA: streams and events order them."""
         return self.streams is None
 
-    @contextmanager
-    def on(self, name: str) -> Iterator[None]:
+    def on(self, name: str) -> AbstractContextManager[None]:
         """Run the block on side stream ``name`` after everything already queued on the compute stream:
         the shards or grads it reads were written there, and the blocks it may reuse were last read
-        there ([Note: CUDA buffer lifetime])."""
+        there ([Note: CUDA buffer lifetime]). On CPU: the block runs where it is (one shared no-op context)."""
         if self.streams is None:
-            yield
-            return
-        stream = self.streams[name]
+            return _NO_STREAM
+        return self._on_stream(self.streams[name])
+
+    @contextmanager
+    def _on_stream(self, stream: torch.cuda.Stream) -> Iterator[None]:
         if self.wait_instead is not None:  # the user's post-optimizer event: set_post_optim_event
             stream.wait_event(self.wait_instead)
         else:
@@ -77,7 +80,7 @@ class Comm:
     def after(self, name: str, event: torch.cuda.Event | None) -> Any:
         """Context for side stream ``name`` that first waits for ``event`` (another stream's output)."""
         if self.streams is None:
-            return nullcontext()
+            return _NO_STREAM
         if event is not None:
             self.streams[name].wait_event(event)  # e.g. the all-reduce reads the reduce-scatter output
         return torch.cuda.stream(self.streams[name])
