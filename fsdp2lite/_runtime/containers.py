@@ -25,11 +25,19 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with each tensor ``t`` replaced by ``fn(t)``, in ``tensors_in``'s order ([Note: tensor containers])."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if _tensor_args(tree):  # a hook's (args, kwargs) of tensors only, every call of a block: no pytree walk
+        return tuple(fn(arg) for arg in tree[0]), {}
     return tree_map(lambda leaf: _map_leaf(fn, leaf), tree, is_leaf=_is_dataclass_leaf)
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree``, depth first, dataclass fields in their order ([Note: tensor containers])."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if _tensor_args(tree):
+        return list(tree[0])
     found: list[torch.Tensor] = []
     for leaf in tree_flatten(tree, is_leaf=_is_dataclass_leaf)[0]:
         if isinstance(leaf, torch.Tensor):
@@ -43,6 +51,13 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype`` (others untouched)."""
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _tensor_args(tree: Any) -> bool:
+    """``tree`` is ``(args, {})`` with ``args`` a tuple of tensors: the common forward call, walked without pytree."""
+    if type(tree) is not tuple or len(tree) != 2 or type(tree[0]) is not tuple or type(tree[1]) is not dict:
+        return False
+    return not tree[1] and all(isinstance(arg, torch.Tensor) for arg in tree[0])
 
 
 def _is_dataclass_leaf(value: Any) -> bool:

@@ -264,7 +264,9 @@ class FSDPState:
         group.post_forward(grad_enabled)
         if grad_enabled:
             tensors = [t for t in tensors_in(output) if t.requires_grad]  # [Note: tensor containers]
-            if tensors:
+            if len(tensors) == 1:  # one output (a block's): its own hook fires once per backward, as "any" would
+                tensors[0].register_hook(self._pre_backward)
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
     # ---- backward ---------------------------------------------------------------------------
