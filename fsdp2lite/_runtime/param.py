@@ -86,7 +86,7 @@ class ParamPolicy:
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor around ``local`` with a spec built once: no checks, no communication, and ``local``
     stays where it is (``DTensor.from_local`` would move a host shard to a CUDA mesh's device)."""
-    return DTensor(local, spec, requires_grad=False)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)  # DTensor.__init__ does nothing: skipped
 
 
 @dataclass(frozen=True)
