@@ -1,0 +1,173 @@
+"""The unsharded half of ``FSDPParam``: the padded unsharded storage, made once and refilled at every unshard,
+and the Parameter the modules hold in each state ([Note: unsharded storage]).
+
+[Note: unsharded storage]
+Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
+and refills it, so the Parameter object and every tensor autograd saved from it stay valid: they see
+the data again once the group is unsharded for backward. The refill writes through views made once
+(not through the Parameter), so the parameter's version counter does not move (the values are the
+same ones autograd saved). The storage is padded: shard_size * padded_numel elements, laid out like
+the all-gather's rank-major output (rank r's padded shard at [r * padded_numel, (r + 1) * padded_numel)),
+and the Parameter is its first numel elements viewed as the original shape. The all-gather copy-out
+is then one ``split_with_sizes_copy`` for the whole group, whatever the padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..mesh import MeshInfo
+from .extension import AllGatherExtension, contiguous_stride, ensure_allocated
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor around ``local`` with a spec built once: no checks, no communication, and ``local``
+    stays where it is (``DTensor.from_local`` would move a host shard to a CUDA mesh's device)."""
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)  # DTensor.__init__ does nothing: skipped
+
+
+class UnshardedState:
+    """Where ``FSDPParam``'s shard and unsharded storage sit and what the modules hold: the layout properties,
+    the unsharded storage's allocation and copy-out, and the two registrations (``to_unsharded``,
+    ``to_sharded``) the group's state machine calls."""
+
+    fqn: str
+    places: tuple[Any, ...]  # ParamPlace
+    mesh_info: MeshInfo
+    orig_shape: torch.Size
+    shard_dim: int
+    tp_spec: DTensorSpec | None
+    gather_shape: torch.Size
+    padded_rows: int
+    padded_shard: torch.Tensor
+    flat_shard: torch.Tensor
+    sharded_param: DTensor
+    unsharded_flat: torch.Tensor | None
+    unsharded_local: torch.Tensor | None
+    unsharded_param: nn.Parameter | None
+    all_gather_view: torch.Tensor | None
+    param_dtype: torch.dtype
+    offload_to_cpu: bool
+    extension: AllGatherExtension | None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded parameter, the one users see: freezing it after ``fully_shard``
+        (``p.requires_grad_(False)``, e.g. LoRA) takes effect at the next unshard ([Note: frozen])."""
+        return self.sharded_param.requires_grad
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of one rank's padded shard: each rank's slot in the flat buffers."""
+        if self.extension is not None:
+            return self.padded_rows * (self.gather_shape.numel() // max(self.gather_shape[0], 1))
+        return self.flat_shard.numel()
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's padded shard: ``gather_shape`` with ``padded_rows`` along the shard dim."""
+        shape = list(self.gather_shape)
+        shape[self.shard_dim] = self.padded_rows
+        return tuple(shape)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this parameter is computed on: the mesh's device when offloaded, else its shard's."""
+        return self.mesh_info.device if self.offload_to_cpu else self.padded_shard.device
+
+    def _set_on_modules(self, tensor: torch.Tensor) -> None:
+        for place in self.places:
+            place.module._parameters[place.name] = cast(nn.Parameter, tensor)
+
+    # ---- state transitions ----------------------------------------------------------------
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Allocate the padded unsharded storage; returns it flat, ``(shard_size * padded_numel,)``.
+
+        The first call creates the storage, the Parameter viewing it and the copy-out view; later calls
+        only give the storage its bytes back ([Note: unsharded storage]). Sharded on a dim other than 0,
+        the flat storage is a rank-major scratch the all-gather is copied out to, and the parameter has
+        storage of its own in ``gather_shape`` (``finish_copy_out`` moves the values over)."""
+        if self.unsharded_flat is None:
+            shard_size = self.mesh_info.shard_size
+            storage = torch.empty(shard_size * self.padded_numel, dtype=self.param_dtype, device=self.device)
+            if self.shard_dim == 0:
+                local = storage[: self.gather_shape.numel()].view(self.gather_shape)
+            else:
+                local = torch.empty(self.gather_shape, dtype=self.param_dtype, device=self.device)
+            self.unsharded_local = local
+            self.unsharded_param = nn.Parameter(self._unsharded_tensor(local), requires_grad=self.requires_grad)
+            # ``.data``: the same storage with a version counter of its own, so refills written through
+            # it (and its views) are not in-place modifications in autograd's eyes
+            self.unsharded_flat = storage.data
+            self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
+            return self.unsharded_flat
+        ensure_allocated(self.unsharded_flat)
+        if self.unsharded_local is not None and self.shard_dim != 0:
+            ensure_allocated(self.unsharded_local)
+        return self.unsharded_flat
+
+    def _unsharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """What the modules see unsharded: ``local``, or under TP a DTensor of it on the tp mesh."""
+        spec = self.tp_spec
+        if spec is None:
+            return local
+        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.param_dtype)
+        return make_dtensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
+
+    def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
+        """Where a ``group_size``-rank all-gather with ``padded_numel`` elements per rank is copied out:
+        the cached ``(shard_size, padded_numel)`` view for the shard group, else (a post-forward group
+        of k ranks, [Note: post-forward reshard]) the first ``group_size * padded_numel`` elements."""
+        flat = self.alloc_unsharded()
+        if group_size == self.mesh_info.shard_size and self.all_gather_view is not None:
+            return self.all_gather_view
+        return flat[: group_size * padded_numel].view(group_size, padded_numel)
+
+    def finish_copy_out(self) -> None:
+        """Sharded on dim d != 0: move the rank-major copy-out (rank r's padded chunk at row r) into the
+        parameter, chunks side by side along d (one strided copy, two when the last chunk is short),
+        and free the scratch. Nothing to do on dim 0: the copy-out wrote the parameter itself."""
+        if self.shard_dim == 0 or self.unsharded_flat is None or self.unsharded_local is None:
+            return
+        d, rows, ws = self.shard_dim, self.padded_rows, self.mesh_info.shard_size
+        chunks = self.unsharded_flat.view(ws, *self.padded_shape).movedim(0, d)  # (..., ws, rows, ...) along d
+        target = self.unsharded_local.data
+        full, rest = divmod(self.gather_shape[d], rows) if rows else (0, 0)
+        if full:
+            split = (*self.gather_shape[:d], full, rows, *self.gather_shape[d + 1 :])
+            target.narrow(d, 0, full * rows).view(split).copy_(chunks.narrow(d, 0, full))
+        if rest:
+            target.narrow(d, full * rows, rest).copy_(chunks.select(d, full).narrow(d, 0, rest))
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    def to_unsharded(self) -> None:
+        """Register the (already filled) unsharded parameter on the modules (only the group's
+        ``_to_unsharded`` calls it: the group's state is the parameters')."""
+        unsharded = self.unsharded_param
+        if unsharded is None:
+            raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
+        if unsharded.requires_grad != self.sharded_param.requires_grad:  # [Note: frozen]
+            unsharded.requires_grad_(self.sharded_param.requires_grad)
+        self._set_on_modules(unsharded)
+
+    def to_sharded(self, keep: bool = False) -> None:
+        """Register the sharded DTensor on the modules and free the unsharded storage (``keep``: not)."""
+        self._set_on_modules(self.sharded_param)
+        if keep:  # a resident group's storage stays for its next forward: [Note: resident groups]
+            return
+        if self.extension is not None:
+            self.extension.free()  # [Note: all-gather extension]
+        if self.unsharded_flat is not None:
+            self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
+        if self.unsharded_local is not None and self.shard_dim != 0:
+            self.unsharded_local.untyped_storage().resize_(0)
+
+    def zero_unsharded_grad(self) -> torch.Tensor:
+        """Zeros in the unsharded gradient's shape and dtype: what an unused parameter contributes
+        (``set_reduce_scatter_unused_params``)."""
+        return torch.zeros(self.gather_shape, dtype=self.param_dtype, device=self.device)
