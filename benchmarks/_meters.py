@@ -3,12 +3,14 @@
 ``tracked_peak(step, model, optimizer)`` runs ``step()`` under torch's ``MemTracker`` and returns the
 bytes per category at the moment the tracked Total peaked; ``count_collectives(step)`` runs it under
 ``CollectiveCounter`` and returns calls and bytes per c10d op; ``count_ops(step)`` counts every aten op
-dispatched (the host work a step asks of torch, independent of timing noise).
+dispatched (the host work a step asks of torch, independent of timing noise); ``time_ops(step, n)`` times it,
+per op kind (where that host work goes).
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +84,31 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         self.calls[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
+
+
+class OpTimer(TorchDispatchMode):
+    """Host seconds spent below Python in each op kind, and its calls: where a step's host time goes, op by op
+    (under ``FakeTensorMode``: the fake dispatch, its cache lookup or the miss that runs the meta kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds[func._schema.name] += time.perf_counter() - start
+        self.calls[func._schema.name] += 1
+        return out
+
+
+def time_ops(step: Callable[[], object], steps: int) -> dict[str, tuple[float, float]]:
+    """Per op kind: (host ms per step, calls per step) over ``steps`` steps."""
+    with OpTimer() as timer:
+        for _ in range(steps):
+            step()
+    return {name: (1e3 * timer.seconds[name] / steps, timer.calls[name] / steps) for name in timer.calls}
 
 
 def count_ops(step: Callable[[], object]) -> Counter[str]:

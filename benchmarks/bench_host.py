@@ -21,11 +21,13 @@ this measures the same gap on any machine, without a GPU.
 How to run (about 1-2 minutes on 2 CPU cores with the defaults):
     .venv/bin/python benchmarks/bench_host.py [--world-size 8] [--layers 16] [--d-model 256]
         [--seq-len 256] [--batch 2] [--steps 12] [--warmup 3] [--device cpu|cuda]
-        [--profile] [--out-dir benchmarks/results] [--no-save]
+        [--profile] [--op-times] [--out-dir benchmarks/results] [--no-save]
 ``--device cuda`` (on a machine with CUDA) makes the fake tensors CUDA tensors, so fsdp2lite runs its
 CUDA path (side streams, events) with nothing computed. ``--profile`` adds, per library, cProfile's
-top functions by cumulative time over a few more steps. Prints a rich table and, last, one JSON line;
-unless ``--no-save``, writes ``<out-dir>/host-<device>-<YYYYmmdd-HHMMSS>.json`` and ``.md``.
+top functions by cumulative time over a few more steps; ``--op-times`` a table of the op kinds fsdp2lite
+spends the most host time in beyond the unsharded floor's (ms and calls per step: where the rest of the gap
+is). Prints a rich table and, last, one JSON line; unless ``--no-save``, writes
+``<out-dir>/host-<device>-<YYYYmmdd-HHMMSS>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _meters import count_ops
+from _meters import count_ops, time_ops
 from _results import environment, environment_markdown, markdown_table, save_run
 from rich.console import Console
 from rich.table import Table
@@ -146,6 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         floor = times.pop(FLOOR)
         ops = {name: count_ops(steps[name]) for name in LIBRARIES}
         profiles = {name: profile_table(step, 3) for name, step in steps.items()} if args.profile else {}
+        op_times = over_floor(time_ops(steps["fsdp2lite"], 3), time_ops(steps[FLOOR], 3)) if args.op_times else []
     n_params = _count_params(cfg)
     ratios = [a / b for a, b in zip(times["fsdp2lite"], times["torch"], strict=True)]
     return {
@@ -166,7 +169,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ops_by_name": {name: dict(calls.most_common(15)) for name, calls in ops.items()},
         "target": {"limit": TARGET, "ok": statistics.median(ratios) <= TARGET},
         "profiles": profiles,
+        "op_ms_over_floor": op_times,
     }
+
+
+OP_COLUMNS = ("op", "fsdp2lite ms/step", "floor ms/step", "over the floor", "fsdp2lite calls", "floor calls")
+
+
+def over_floor(ours: dict[str, tuple[float, float]], floor: dict[str, tuple[float, float]]) -> list[list[Any]]:
+    """Every op kind of either step, with fsdp2lite's host time beyond the unsharded model's, largest first."""
+    rows = []
+    for name in set(ours) | set(floor):
+        (ms, calls), (floor_ms, floor_calls) = ours.get(name, (0.0, 0.0)), floor.get(name, (0.0, 0.0))
+        rows.append([name, round(ms, 2), round(floor_ms, 2), round(ms - floor_ms, 2), calls, floor_calls])
+    return sorted(rows, key=lambda row: -row[3])
 
 
 def _count_params(cfg: GPTConfig) -> int:
@@ -216,6 +232,9 @@ def markdown(result: dict[str, Any], env: dict[str, Any]) -> str:
     body = f"# bench_host\n\n{title(result)}\n\n" + markdown_table(COLUMNS, rows(result)) + f"\n- {verdict(result)}\n"
     for name, text in result["profiles"].items():
         body += f"\n## cProfile, {name} (3 steps)\n\n```\n{text.strip()}\n```\n"
+    if result["op_ms_over_floor"]:
+        body += "\n## Host time per op kind, fsdp2lite over the floor (3 steps; the top 15)\n\n"
+        body += markdown_table(OP_COLUMNS, [[str(cell) for cell in row] for row in result["op_ms_over_floor"][:15]])
     return body + "\n" + environment_markdown(env)
 
 
@@ -232,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device type of the fake tensors")
     parser.add_argument("--profile", action="store_true", help="add cProfile tables per library")
+    parser.add_argument(
+        "--op-times", action="store_true", help="add fsdp2lite's host ms per op kind against the floor's (3 steps)"
+    )
     parser.add_argument(
         "--wrap", choices=("blocks", "torchtitan"), default="blocks",
         help="groups: per block then the root, or torchtitan's (the embedding alone, blocks, norm + head, root)",
@@ -269,6 +291,13 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"  {verdict(result)}", highlight=False, markup=False)
     for name, text in result["profiles"].items():
         console.print(f"\ncProfile, {name} (3 steps):\n{text}", highlight=False, markup=False)
+    if result["op_ms_over_floor"]:
+        ops = Table(title="host ms per op kind, fsdp2lite over the unsharded floor (3 steps; the top 15)")
+        for index, column in enumerate(OP_COLUMNS):
+            ops.add_column(column, justify="left" if index == 0 else "right")
+        for row in result["op_ms_over_floor"][:15]:
+            ops.add_row(*(str(cell) for cell in row))
+        console.print(ops)
     files: list[str] = []
     if not args.no_save:
         stem = f"host-{args.device}-{started:%Y%m%d-%H%M%S}"

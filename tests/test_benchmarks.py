@@ -92,9 +92,12 @@ def test_bench_host_runs_both_libraries_on_fake_tensors(tmp_path: Path, capsys: 
 
     bench_host.main([
         "--world-size", "4", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
-        "--vocab", "64", "--steps", "3", "--warmup", "1", "--out-dir", str(tmp_path),
+        "--vocab", "64", "--steps", "3", "--warmup", "1", "--out-dir", str(tmp_path), "--op-times",
     ])  # fmt: skip
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by_op = {row[0]: row for row in result["op_ms_over_floor"]}  # the runtime's own collectives lead the list
+    assert by_op["c10d::_allgather_base_"][4] > 0 == by_op["c10d::_allgather_base_"][5], by_op
+    assert all(row[3] == pytest.approx(row[1] - row[2], abs=0.011) for row in by_op.values())
     assert set(result["host_ms"]) == {"fsdp2lite", "torch"} and all(len(v) == 3 for v in result["host_ms"].values())
     ratios = [a / b for a, b in zip(result["host_ms"]["fsdp2lite"], result["host_ms"]["torch"])]
     assert result["ratio_fsdp2lite_vs_torch"] == pytest.approx(sorted(ratios)[1])
