@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import gather
+from fsdp2lite._runtime import gather, replica_step
 from fsdp2lite._runtime import reduce as reduce_module
 
 MESHES = [(2, 2), (4, 1), (1, 4)]
@@ -46,7 +46,7 @@ def shard_with(mesh: DeviceMesh, reshard: bool | int | None) -> Callable[[nn.Mod
 def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
     """Wrap the runtime's collective entry points; record (kind, group, numel) per call."""
     calls: list[tuple[str, dist.ProcessGroup, int]] = []
-    modules = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": reduce_module}
+    modules = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": replica_step}
     originals = {name: getattr(module, name) for name, module in modules.items()}
 
     def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,7 +58,7 @@ def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]
 
     gather.all_gather_flat = wrap("all_gather", originals["all_gather_flat"])
     reduce_module._reduce_scatter_flat = wrap("reduce_scatter", originals["_reduce_scatter_flat"])
-    reduce_module._all_reduce = wrap("all_reduce", originals["_all_reduce"])
+    replica_step._all_reduce = wrap("all_reduce", originals["_all_reduce"])
     try:
         yield calls
     finally:

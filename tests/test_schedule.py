@@ -20,7 +20,7 @@ from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import train_and_compare
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import gather
+from fsdp2lite._runtime import gather, replica_step
 from fsdp2lite._runtime import reduce as reduce_module
 from fsdp2lite.cli import main as cli_main
 
@@ -183,7 +183,7 @@ class _EventWork:
 
 @contextmanager
 def delayed_collectives(delay_s: float) -> Iterator[None]:
-    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": reduce_module}
+    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": replica_step}
     originals = {name: getattr(module, name) for name, module in sites.items()}
     delayer = DelayedCollectives(delay_s)
     for name, fn in originals.items():

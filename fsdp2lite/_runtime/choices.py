@@ -19,15 +19,8 @@ from .comm import Ranks
 from .gather import GatherForm, choose_gather, one_dtype
 from .param import FSDPParam
 from .post_forward import check_post_forward
-from .reduce import (
-    DeferredReplicas,
-    NoReplicas,
-    ReduceForm,
-    ReplicaAllReduce,
-    ReplicaReduceScatter,
-    ReplicaStep,
-    choose_reduce,
-)
+from .reduce import ReduceForm, choose_reduce
+from .replica_step import DeferredReplicas, NoReplicas, ReplicaAllReduce, ReplicaReduceScatter, ReplicaStep
 from .replicas import ReplicaSync
 from .split_reduce import split_if_mixed
 

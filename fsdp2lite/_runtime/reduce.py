@@ -1,4 +1,4 @@
-"""A group's reduce-scatter: copy-in, the collective, the replica step, and the sharded gradients.
+"""A group's reduce-scatter: copy-in, the collective and its forms (the step across replicas after it: replica_step.py).
 
 (The all-gather, its forms and its notes are in ``gather.py``.)
 Reduce-scatter (one per group per backward), the all-gather's layout in reverse, averaged:
@@ -34,7 +34,8 @@ chosen by ``set_requires_all_reduce`` and HFSDP:
     NativeReduceScatter  the backend's reduce-scatter (NCCL, the fake process group), or the user's
     InPlaceReduce        gloo, and one rank: an all-reduce in place ([Note: gloo reduce-scatter])
     AllToAllReduce       CommPolicy(reduce_scatter="all_to_all"|"int8"): rows exchanged, summed on arrival
-    NoReplicas | ReplicaAllReduce (HSDP) | ReplicaReduceScatter (HFSDP) | DeferredReplicas (all-reduce off)
+    NoReplicas | ReplicaAllReduce (HSDP) | ReplicaReduceScatter (HFSDP) | DeferredReplicas (all-reduce off):
+                         the replica steps, in replica_step.py
 
 Every form shares the copy-in (``ReduceForm.issue``); the result carries the form that finishes it, so the
 group's post-backward and its finish call them without asking which they are.
@@ -61,7 +62,7 @@ On every other backend (NCCL, the fake process group) the reduce-scatter is a na
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,6 @@ from .trace import Meters
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-_all_reduce = dist.all_reduce
 
 
 @torch.library.custom_op("fsdp2lite::chunk_cat", mutates_args=("out",))
@@ -286,75 +284,3 @@ def choose_reduce(ranks: Ranks, device: torch.device, policy: Any, custom: Any, 
     if in_place or ranks.size == 1:
         return InPlaceReduce(ranks)
     return NativeReduceScatter(ranks)
-
-
-class ReplicaStep(Protocol):
-    """What follows the shard group's reduction across the replicas of a 2-D mesh ([Note: reduce forms])."""
-
-    def reduce(
-        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
-    ) -> torch.Tensor | None:
-        """``output`` reduced across the replicas (None: kept on the parameters for a later step)."""
-        ...
-
-
-class NoReplicas:
-    """A 1-D mesh: the shard group's sums are the whole sums."""
-
-    def reduce(
-        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
-    ) -> torch.Tensor | None:
-        return output
-
-
-class ReplicaAllReduce:
-    """HSDP: kept replica-local sums folded in, then one all-reduce (sum) across the replicas.
-
-    Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over its
-    replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.replicas = dist.get_world_size(group)
-
-    def reduce(
-        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
-    ) -> torch.Tensor | None:
-        with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
-            folded = [param.add_partial_reduced_grad(slot) for param, slot in _slots(output, params)]
-            work = _all_reduce(output, op=dist.ReduceOp.SUM, group=self.group, async_op=comm.async_work)
-            meters.count("replica_all_reduce", 2 * output.nbytes * (self.replicas - 1) // self.replicas)
-        comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
-        del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
-        return output
-
-
-class ReplicaReduceScatter:
-    """HFSDP: kept replica-local sums folded in, then a reduce-scatter across the replicas into each rank's
-    pieces ([Note: replica-sharded groups])."""
-
-    def __init__(self, replicas: Any) -> None:
-        self.replicas = replicas  # the group's ReplicaSync
-
-    def reduce(
-        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
-    ) -> torch.Tensor | None:
-        for param, slot in _slots(output, params):
-            param.add_partial_reduced_grad(slot)
-        return self.replicas.reduce_scatter(output, params)
-
-
-class DeferredReplicas:
-    """HSDP or HFSDP with ``set_requires_all_reduce(False)``: the replica-local sums are kept on the
-    parameters (``partial_reduced_grad``) and added in by the next step across replicas; nothing is lost."""
-
-    def reduce(
-        self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
-    ) -> torch.Tensor | None:
-        for param, slot in _slots(output, params):
-            param.keep_partial_reduced_grad(slot)
-        return None
-
-
-def _slots(output: torch.Tensor, params: tuple[FSDPParam, ...]) -> list[tuple[FSDPParam, torch.Tensor]]:
-    return list(zip(params, torch.split(output, [p.padded_numel for p in params])))
