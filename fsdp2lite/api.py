@@ -221,8 +221,11 @@ def _make_params(spec: GroupSpec, info: MeshInfo) -> tuple[FSDPParam, ...]:
     made = []
     for p in spec.params:
         mp = p.mixed_precision
-        own = dataclasses.replace(base, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
-        policy = own if p.overridden else base
+        policy = (
+            dataclasses.replace(base, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+            if p.overridden
+            else base
+        )
         places = tuple(ParamPlace(m, n) for m, n in p.places)
         storage = param_storage(spec.settings.sharding, policy, p.param)
         made.append(FSDPParam(p.param, p.fqn, places, info, policy, p.dim, mp, storage=storage))

@@ -36,6 +36,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from .._plan import GroupSpec
 from .._runtime.root import ScheduleDefaults, schedule_defaults
 from .._units import human_bytes
 from ..config import (
@@ -43,7 +44,6 @@ from ..config import (
     FSDPConfig,
     GroupPlan,
     GroupPolicy,
-    Plan,
     Problem,
     ScheduleConfig,
     join_path,
@@ -141,7 +141,7 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     plan = plan_config(model, config)
     ignored = {id(p) for p in plan.ignored.values()}
     owned = plan.params
-    rows = [_group_row(group, params, config, shard, plan) for group, params in zip(plan.groups, owned)]
+    rows = [_group_row(group, spec, config, shard) for group, spec in zip(plan.groups, plan.specs)]
     unique = dict(model.named_parameters())  # tied parameters once
     total_bytes = sum(param_nbytes(p) for p in unique.values())
     root_ids = {id(p) for p in owned[-1].values()}
@@ -159,10 +159,9 @@ def explain_config(model: nn.Module, config: FSDPConfig, world_size: int) -> Exp
     )
 
 
-def _group_row(
-    group: GroupPlan, params: dict[str, nn.Parameter], config: FSDPConfig, shard: int, plan: Plan
-) -> GroupRow:
-    spec = plan.specs[plan.groups.index(group)]  # the spec fully_shard builds ([Note: one plan])
+def _group_row(group: GroupPlan, spec: GroupSpec, config: FSDPConfig, shard: int) -> GroupRow:
+    """One group's row, from the spec ``fully_shard`` builds for it ([Note: one plan])."""
+    params = {p.fqn: p.param for p in spec.params}
     shard_dims = tuple(p.dim for p in spec.params)
     overrides = [p.mixed_precision for p in spec.params if p.overridden]
     return GroupRow(
