@@ -321,7 +321,7 @@ def _storage_problems(spec: GroupSpec) -> list[Problem]:
             )
         )
     if sharding is not None and sharding.replica_sharded:
-        odd = [f"{p.fqn} (all-gather hooks)" for p in spec.params if p.hooked]
+        odd = [f"{fqn} (all-gather hooks)" for fqn in hooked]
         odd += [f"{p.fqn} (tensor parallel)" for p in spec.params if p.tensor_parallel]
         odd += [f"{p.fqn} (Shard({p.dim}))" for p in spec.params if p.local.dim() and p.dim != 0]
         if odd:

@@ -23,8 +23,6 @@ from ._runtime.zero import Resident, watch_optimizer_steps
 from .host.nvme import make_nvme_state
 from .policies import ShardingPolicy
 
-Owned = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
-
 
 def check_sharding(sharding: Any) -> ShardingPolicy | None:
     """The policy, after its type; None: ZeRO-3, HSDP. (What it cannot hold: the plan's checks, ``_plan.py``.)"""

@@ -60,7 +60,7 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
 @contextmanager
 def _on_root_meters(state: Any, state_attr: str, meters_attr: str, value: Any) -> Iterator[None]:
     """Hand ``value`` to the root's shared Meters for the block: kept on the root's state (lazy init hands
-    it over, if still to come) and set on the live Meters (and, a recorder, the host engine); taken back after."""
+    it over, if still to come) and set on the live Meters; taken back after."""
     _hand_over(state, state_attr, meters_attr, value)
     try:
         yield
@@ -72,9 +72,7 @@ def _hand_over(state: Any, state_attr: str, meters_attr: str, value: Any) -> Non
     setattr(state, state_attr, value)
     context = state.root_context
     if context is not None and context.meters is not None:
-        setattr(context.meters, meters_attr, value)
-    if meters_attr == "recorder" and context is not None and context.host is not None:
-        context.host.trace_to(value)  # host steps and the waits for them: [Note: the host engine]
+        setattr(context.meters, meters_attr, value)  # the host engine reads the recorder there too
 
 
 @dataclass(frozen=True)

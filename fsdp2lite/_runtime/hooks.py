@@ -149,8 +149,6 @@ class FSDPState:
         if context.meters is not None:
             context.meters.recorder = self.trace_recorder
             context.meters.wire = self.wire_counts
-        if context.host is not None:
-            context.host.trace_to(self.trace_recorder)
         if self.trace_recorder is not None:
             self.trace_recorder.schedule = context.schedule_settings()
         for state in (*states[1:], self):  # the root's own settings win

@@ -34,7 +34,9 @@ five points, all in the post-backward path or at the ends of a pass:
     abandon          an exception mid-step: wait for the steps in flight, their errors become warnings
 
 Each group holds one from construction (``fully_shard`` makes it); the root's lazy init hands its own to every
-group of the tree (one pool, one worker per root, or per ``share_comm_ctx`` set of roots), as it does ``Comm``.
+group of the tree (one pool, one worker per root, or per ``share_comm_ctx`` set of roots), as it does ``Comm``,
+and hands it the root's ``Meters`` once (``measure_with``): the engine reads the trace recorder there, so tracing
+is switched on and off in one place.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import torch
 from ..mesh import MeshInfo
 from .comm import Comm
 from .param import FSDPParam
-from .trace import Meters, TraceRecorder
+from .trace import Meters
 
 
 class GroupStorage(Protocol):
@@ -120,6 +122,7 @@ class HostSide(Protocol):
         """An exception mid-step: wait for the steps in flight; an error of theirs becomes a warning."""
         ...
 
-    def trace_to(self, recorder: TraceRecorder | None) -> None:
-        """Record host steps and the waits for them with ``recorder`` (None: tracing off)."""
+    def measure_with(self, meters: Meters) -> None:
+        """Record host steps and the waits for them with ``meters``' trace recorder, whenever it has one (the root's
+        Meters, handed over once at lazy init)."""
         ...

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fsdp2lite._runtime.trace import TraceRecorder
+from fsdp2lite._runtime.trace import Meters
 
 from .grad_pool import HostGradPool
 from .steps import HostSteps, run_post_accumulate_grad_hooks
@@ -18,13 +18,13 @@ from .steps import HostSteps, run_post_accumulate_grad_hooks
 class HostEngine:
     """Satisfies the runtime's ``HostSide``: host gradient buffers and host steps, with their trace."""
 
-    recorder: TraceRecorder | None  # the root's trace recorder while tracing
+    meters: Meters | None  # the root's, after lazy init: its trace recorder records the host steps
     steps: HostSteps  # step_in_backward's host steps ([Note: host steps off backward's thread], steps.py)
     grads: HostGradPool  # CPU offload: where reduced gradients land ([Note: host gradient buffers], grad_pool.py)
 
     def __init__(self) -> None:
-        self.recorder = None
-        self.steps = HostSteps(lambda: self.recorder)
+        self.meters = None
+        self.steps = HostSteps(lambda: None if self.meters is None else self.meters.recorder)
         self.grads = HostGradPool(self.steps.wait)  # the steps free buffers: waited for before making one
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
@@ -44,5 +44,5 @@ class HostEngine:
     def abandon(self) -> None:
         self.steps.wait_quietly()
 
-    def trace_to(self, recorder: TraceRecorder | None) -> None:
-        self.recorder = recorder
+    def measure_with(self, meters: Meters) -> None:
+        self.meters = meters
