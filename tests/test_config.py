@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import typing
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
+import yaml
 from _dist import spawn_checks
 from _models import TINY_GPT, gpt_batch, gpt_loss, tiny_gpt
 from _parity import train_and_compare
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from torch.distributed.tensor import DTensor
 
 import fsdp2lite as fl
@@ -349,6 +353,107 @@ def test_union_errors_are_one_problem_listing_what_is_valid() -> None:
         Problem("reshard_after_forward", "'maybe' is not valid here", "use true or false, an integer, auto"),
         Problem("wrap.0.match.class", "3 is not valid here", "use a string, a list of strings"),
     ]
+
+
+def _literal_fields(model: type[BaseModel], prefix: tuple[str | int, ...]) -> Iterator[tuple[tuple, list]]:
+    """(location, choices) of every field of ``model`` (and the models below it) whose annotation holds a
+    Literal: a choice among fixed values; a wrap rule's fields through ``wrap.0``."""
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if typing.get_origin(info.annotation) is list:
+            if typing.get_args(info.annotation)[0] is WrapRule:
+                yield from _literal_fields(WrapRule, (*prefix, key, 0))
+            continue
+        args = [info.annotation, *typing.get_args(info.annotation)]  # the annotation, or a union's members
+        choices = [value for arg in args if typing.get_origin(arg) is Literal for value in typing.get_args(arg)]
+        if choices:
+            yield (*prefix, key), choices
+        for arg in args:
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                yield from _literal_fields(arg, (*prefix, key))
+
+
+LITERAL_FIELDS = dict(_literal_fields(fl.FSDPConfig, ()))
+
+
+def _with_value(location: tuple, value: object) -> dict:
+    """A config holding ``value`` at ``location``, otherwise valid (a wrap rule gets a match)."""
+    data: dict = {}
+    node = data
+    for key, following in zip(location, location[1:]):
+        if following == 0:
+            node[key] = [{"match": {"class": "Block"}}]
+            node = node[key][0]
+        elif key != 0:
+            node = node.setdefault(key, {})
+    node[location[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize("location", LITERAL_FIELDS, ids=lambda loc: ".".join(map(str, loc)))
+def test_a_value_outside_a_fixed_choice_is_named_once_with_every_choice(location: tuple, tmp_path: Path) -> None:
+    """Every Literal field of the schema, top level and in a wrap rule: the message shows the value given,
+    once, and every valid choice as YAML writes it."""
+    path = write(tmp_path, yaml.safe_dump(_with_value(location, "bogus-choice")))
+    with pytest.raises(fl.ConfigError) as info:
+        fl.FSDPConfig.from_yaml(path)
+    dotted = ".".join(map(str, location))
+    assert [p.location for p in info.value.problems] == [dotted], info.value.problems
+    assert str(info.value).count("bogus-choice") == 1, str(info.value)
+    problem = info.value.problems[0]
+    assert problem.message == "'bogus-choice' is not valid here"
+    assert all(str(choice) in problem.suggestion for choice in LITERAL_FIELDS[location]), problem
+
+
+def test_the_fixed_choices_the_issue_named() -> None:
+    """The schema's fixed choices are all walked (top level and rules), and the issue's three read as asked."""
+    walked = {".".join(map(str, loc)) for loc in LITERAL_FIELDS}
+    assert {"zero_stage", "sharding.shard", "sharding.replicate", "offload.device", "offload.optimizer"} <= walked
+    assert {"wrap.0.sharding.shard", "wrap.0.offload.device", "wrap.0.communication.all_gather"} <= walked
+    cases = [
+        ({"zero_stage": 4}, "zero_stage: 4 is not valid here (use 1, 2 or 3)"),
+        ({"zero_stage": True}, "zero_stage: True is not valid here (use 1, 2 or 3)"),  # not stage 1 (True == 1)
+        ({"sharding": {"shard": "everything"}}, "sharding.shard: 'everything' is not valid here (use params or "),
+        (_with_value(("wrap", 0, "sharding", "shard"), "nope"), "wrap.0.sharding.shard: 'nope' is not valid here"),
+    ]
+    for data, message in cases:
+        with pytest.raises(ValidationError) as info:
+            fl.FSDPConfig.model_validate(data)
+        text = str(fl.ConfigError("config.yaml", problems_from(info.value)))
+        assert message in text, text
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (
+            _with_value(("wrap", 0, "group"), "maybe"),
+            Problem("wrap.0.group", "'maybe' is not valid here", "use true or false"),
+        ),
+        ({"mesh": {"shard": 1.5}}, Problem("mesh.shard", "1.5 is not valid here", "use an integer")),
+        (
+            {"shard_placement": [{"path": "*", "dim": "x"}]},
+            Problem("shard_placement.0.dim", "'x' is not valid here", "use an integer"),
+        ),
+        (
+            {"wrap": [{"match": "Block"}]},
+            Problem("wrap.0.match", "'Block' is not valid here", "use a mapping of keys (class, path)"),
+        ),
+        (
+            {"ignore": [{"path": [1]}]},
+            Problem("ignore.0.path", "[1] is not valid here", "use a string, a list of strings"),
+        ),
+        (
+            {"precision_overrides": [{"param_dtype": "fp32"}]},
+            Problem("precision_overrides.0.path", "this key is required and missing", ""),
+        ),
+    ],
+    ids=["bool", "int", "int in a list", "model", "nested union", "missing"],
+)
+def test_a_wrong_type_names_the_value_and_what_would_do(data: dict, expected: Problem) -> None:
+    with pytest.raises(ValidationError) as info:
+        fl.FSDPConfig.model_validate(data)
+    assert problems_from(info.value) == [expected]
 
 
 def test_ties_across_sibling_groups_are_refused() -> None:

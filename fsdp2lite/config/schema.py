@@ -24,14 +24,13 @@ with its location, message and, for unknown keys, the closest valid key (``probl
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .._units import parse_size
 from ..mesh import resolve_mesh_degrees
@@ -45,6 +44,7 @@ from ..policies import (
 )
 from .errors import ConfigError, Problem
 from .precision import PrecisionOverride
+from .validation import problems_from_errors
 
 _STRICT = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 ReshardAfterForward = bool | int | Literal["auto"]
@@ -87,7 +87,10 @@ class OffloadConfig(BaseModel):
 
     model_config = _STRICT
 
-    device: Literal["none", "cpu"] = Field("none", description="none: on the device; cpu: on the host")
+    device: Literal["none", "cpu"] = Field(
+        "none",
+        description="none: on the device (with budget: the groups the planner does not offload); cpu: on the host",
+    )
     pin_memory: bool = Field(True, description="pin host memory (with device: cpu) for async copies; needs CUDA")
     optimizer_only: bool = Field(
         False,
@@ -333,6 +336,14 @@ class FSDPConfig(BaseModel):
         default_factory=ScheduleConfig, description="the root's schedule settings (see ScheduleConfig)"
     )
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_bool(cls, value: Any) -> Any:
+        """YAML's true would pass as stage 1 (True == 1): refused as the choice it is not."""
+        if isinstance(value, bool):
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": "1, 2 or 3"})
+        return value
+
     @model_validator(mode="after")
     def _zero_stage(self) -> FSDPConfig:
         """``zero_stage`` sets the shard axis (``sharding.shard``) and leaves ``sharding.replicate`` as given."""
@@ -422,73 +433,9 @@ class FSDPConfig(BaseModel):
 
 
 def problems_from(exc: ValidationError) -> list[Problem]:
-    """pydantic's errors as Problems; unknown keys get the closest valid key as a suggestion, and a value
-    no member of a union accepts is one problem listing what would be valid (not one per member)."""
-    problems: list[Problem] = []
-    unions: dict[tuple[Any, ...], tuple[int, list[Any]]] = {}  # parent location -> (problem index, errors)
-    for error in exc.errors():
-        loc = tuple(error["loc"])
-        location = ".".join(str(part) for part in loc)
-        if error["type"] == "extra_forbidden":
-            valid = _valid_keys(loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-            suggestion = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
-            problems.append(Problem(location, f"unknown key '{loc[-1]}'", suggestion))
-        elif _union_member(loc):
-            if loc[:-1] not in unions:
-                unions[loc[:-1]] = (len(problems), [])
-                problems.append(Problem("", "", ""))  # a placeholder, keeping the order: filled in below
-            unions[loc[:-1]][1].append(error)
-        else:
-            problems.append(Problem(location, error["msg"].removeprefix("Value error, "), ""))
-    for parent, (index, errors) in unions.items():
-        accepted = ", ".join(_member_phrase(str(error["loc"][-1])) for error in errors)
-        location = ".".join(str(part) for part in parent)
-        problems[index] = Problem(location, f"{errors[0]['input']!r} is not valid here", f"use {accepted}")
-    return problems
-
-
-def _union_member(loc: tuple[Any, ...]) -> bool:
-    """pydantic tags an error of one union member with the member's type ('bool', 'int',
-    "literal['auto']", 'list[str]'): a last location part that is no key where it stands."""
-    if len(loc) < 2 or not isinstance(loc[-1], str):
-        return False
-    return loc[-1] not in _valid_keys(loc[:-1]) and loc[-2] in _valid_keys(loc[:-2])
-
-
-def _member_phrase(tag: str) -> str:
-    """How a union member's tag reads in a suggestion: ``literal['auto']`` -> ``auto``."""
-    if tag.startswith("literal["):
-        return tag.removeprefix("literal[").removesuffix("]").replace("'", "")
-    return {"bool": "true or false", "int": "an integer", "str": "a string", "list[str]": "a list of strings"}.get(
-        tag, tag
-    )
-
-
-def _valid_keys(loc: Sequence[str | int]) -> list[str]:
-    """Keys allowed at ``loc`` in the FSDPConfig schema (aliases as written in YAML)."""
-    model: Any = FSDPConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        info = model.model_fields.get(part) or next((f for f in model.model_fields.values() if f.alias == part), None)
-        if info is None:
-            return []
-        model = _model_in(info.annotation)
-        if model is None:
-            return []
-    return [info.alias or name for name, info in model.model_fields.items()]
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation like ``list[Match]`` or ``Match | None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
+    """pydantic's errors in validating an ``FSDPConfig`` as Problems, each naming the value given and what
+    would be valid (``validation.problems_from_errors``)."""
+    return problems_from_errors(exc, FSDPConfig)
 
 
 def as_list(value: str | list[str]) -> list[str]:
