@@ -249,18 +249,34 @@ def _param_problems(spec: GroupSpec) -> list[Problem]:
     return problems
 
 
-def _policy_problems(spec: GroupSpec) -> list[Problem]:
+def settings_problems(settings: GroupSettings, label: str) -> list[Problem]:
+    """The problems of a group's settings alone, whatever its parameters and mesh: the settings that contradict
+    each other. A policy file's rules are checked for these before any model is built (``fsdp2lite validate``)."""
     problems = []
-    sharding = spec.settings.sharding
-    if sharding is not None and sharding.resident and spec.settings.reshard_after_forward not in (None, False):
+    sharding, offload = settings.sharding, settings.offloaded
+    if sharding is not None and sharding.resident and settings.reshard_after_forward not in (None, False):
         problems.append(
             Problem(
-                spec.label,
+                label,
                 "sharding ShardingPolicy(shard='optimizer') (ZeRO-1/2) keeps the parameters unsharded between "
-                f"steps, but reshard_after_forward={spec.settings.reshard_after_forward!r} would free them",
+                f"steps, but reshard_after_forward={settings.reshard_after_forward!r} would free them",
                 "leave reshard_after_forward at None / auto (or False), or shard='params'",
             )
         )
+    if offload is not None and offload.optimizer_only and sharding is not None and sharding.replica_sharded:
+        problems.append(
+            Problem(
+                label,
+                "CPUOffloadPolicy(optimizer_only=True) and ShardingPolicy(replicate='optimizer') (HFSDP) both "
+                "move where the masters live",
+                "pick one for this group",
+            )
+        )
+    return problems
+
+
+def _policy_problems(spec: GroupSpec) -> list[Problem]:
+    problems = settings_problems(spec.settings, spec.label)
     named = {p.fqn: p.param for p in spec.params}
     problem = reduce_dtype_problem_by_policy(named, {p.fqn: p.mixed_precision for p in spec.params})
     if problem is not None:
@@ -300,15 +316,6 @@ def _storage_problems(spec: GroupSpec) -> list[Problem]:
                     "CPUOffloadPolicy(optimizer_only=True) keeps plain master shards on the host, but these gather "
                     f"through all-gather hooks (a tensor subclass such as NF4): {', '.join(hooked)}",
                     "offload them with optimizer_only=False (or not at all)",
-                )
-            )
-        if sharding is not None and sharding.replica_sharded:
-            problems.append(
-                Problem(
-                    spec.label,
-                    "CPUOffloadPolicy(optimizer_only=True) and ShardingPolicy(replicate='optimizer') (HFSDP) both "
-                    "move where the masters live",
-                    "pick one for this group",
                 )
             )
     if sharding is not None and sharding.resident and hooked:

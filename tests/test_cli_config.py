@@ -126,6 +126,53 @@ def test_validate_console_script_has_no_traceback(tmp_path: Path) -> None:
     assert "offload.device" in result.stdout and "cannot read the file" in result.stdout
 
 
+def test_validate_names_a_value_outside_a_fixed_choice_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's three: the value given and the valid ones, each value once, top level and in a rule."""
+    path = _write(
+        tmp_path,
+        "zero_stage: 4\nsharding: {shard: everything}\nwrap:\n  - match: {class: Block}\n    sharding: {shard: nope}\n",
+    )
+    assert main(["validate", path]) == 1
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") == 4}
+    assert set(rows) == {"zero_stage", "sharding.shard", "wrap.0.sharding.shard"}, out
+    assert "4 is not valid here" in rows["zero_stage"] and "use 1, 2 or 3" in rows["zero_stage"]
+    assert "'everything' is not valid here" in rows["sharding.shard"] and "use params or optimizer" in out
+    assert "'nope' is not valid here" in rows["wrap.0.sharding.shard"]
+    assert out.count("everything") == 1 and out.count("nope") == 1
+
+
+def test_validate_refuses_settings_that_contradict_each_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a model: the checks fully_shard makes of a group's settings, on the top level's policy and
+    each rule's (ZeRO-1/2 with a reshard; optimizer_only with HFSDP); explain refuses the same, with the model."""
+    path = _write(
+        tmp_path,
+        "zero_stage: 2\nreshard_after_forward: true\nmesh: {replicate: 2}\nwrap:\n"
+        "  - match: {class: Block}\n    offload: {device: cpu, optimizer_only: true}\n"
+        "    sharding: {replicate: optimizer}\n"
+        "  - match: {class: MLP}\n    reshard_after_forward: false\n",  # ZeRO-2, kept: no problem
+    )
+    monkeypatch.setenv("COLUMNS", "400")  # the messages on one line each
+    assert main(["validate", path]) == 1
+    out = capsys.readouterr().out
+    assert "<top>" in out and "reshard_after_forward=True would free them" in out
+    assert "wrap.0" in out and "both move where the masters live" in out and "wrap.1" not in out
+    assert main(["explain", path, "--model", FACTORY, "--world-size", "4"]) == 1
+    assert "reshard_after_forward=True would free them" in capsys.readouterr().out
+
+
+def test_validate_says_what_an_offload_budget_still_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """offload: {device: none, budget: ...} is the planner's input (device: none for the groups it leaves),
+    valid; the check line says how it becomes a placement, which training needs."""
+    path = _write(tmp_path, "offload: {device: none, budget: 20GiB}\n")
+    assert main(["validate", path]) == 0
+    out = capsys.readouterr().out
+    assert f"✓ {path}: valid (offload.budget 20GiB is resolved into groups to offload" in out
+    assert f"fsdp2lite estimate --config {path} --model M --world-size N" in out and "train with OUT.yaml" in out
+
+
 # ---- explain: the command -----------------------------------------------------------------------
 @pytest.mark.parametrize("config", GPT_CONFIGS, ids=lambda path: Path(path).name)
 def test_explain_every_shipped_config(config: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,10 +2,13 @@
 
     fsdp2lite validate configs/*.yaml
 
-Each valid file gets a green check line; each invalid one a table of every problem found (location,
-problem, suggestion), so one run fixes them all. Exit code 0 when every file is valid, 1 otherwise.
-A user's mistake (a missing file, text that is not YAML, a list instead of a mapping, an unknown key,
-a bad dtype name) is always a table, never a traceback.
+Each valid file gets a green check line (saying what a file with ``offload.budget`` still needs); each
+invalid one a table of every problem found (location, problem, suggestion), so one run fixes them all:
+the schema's, then the settings that contradict each other in the top level's policy or a rule's
+(``config.policy_problems``: the checks ``fully_shard`` makes of a group's settings). Exit code 0 when
+every file is valid, 1 otherwise. A user's mistake (a missing file, text that is not YAML, a list instead
+of a mapping, an unknown key, a bad dtype name, a value outside a fixed choice) is always a table naming the
+value given, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..config import ConfigError, FSDPConfig, Problem
+from ..config import ConfigError, FSDPConfig, Problem, policy_problems
 
 DESCRIPTION = (
-    "Check fsdp2lite YAML policy files against the schema: a check line per valid file, a table of every "
-    "problem (location, problem, suggestion) per invalid one. Exit 0 if all are valid, 1 if not."
+    "Check fsdp2lite YAML policy files against the schema and for settings that contradict each other: a check "
+    "line per valid file, a table of every problem (location, problem, suggestion) per invalid one. Exit 0 if all "
+    "are valid, 1 if not."
 )
 
 
@@ -42,15 +46,31 @@ def validate_files(console: Console, paths: Sequence[str]) -> int:
     invalid = 0
     for path in paths:
         try:
-            FSDPConfig.from_yaml(path)
+            config = FSDPConfig.from_yaml(path)
         except ConfigError as exc:
             invalid += 1
             console.print(problems_table(path, exc.problems))
             continue
-        console.print(f"[green]✓[/green] {escape(path)}: valid")
+        problems = policy_problems(config)
+        if problems:
+            invalid += 1
+            console.print(problems_table(path, problems))
+            continue
+        console.print(f"[green]✓[/green] {escape(path)}: valid{escape(_budget_note(path, config))}", soft_wrap=True)
     if invalid:
         console.print(f"[red]✗[/red] {invalid} of {len(paths)} file(s) invalid")
     return invalid
+
+
+def _budget_note(path: str, config: FSDPConfig) -> str:
+    """What a valid file with ``offload.budget`` still needs before training ([Note: offload budget])."""
+    if config.offload.budget is None:
+        return ""
+    return (
+        f" (offload.budget {config.offload.budget} is resolved into groups to offload for one model, world size, "
+        f"batch and sequence: `fsdp2lite estimate --config {path} --model M --world-size N --batch B --seq S "
+        "--write-config OUT.yaml`; train with OUT.yaml)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

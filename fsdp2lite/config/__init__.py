@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .apply import apply_config, checkpoint_forward
 from .errors import ConfigError, Problem
-from .plan import GroupPlan, GroupPolicy, Plan, join_path, mesh_problems, plan_config
+from .plan import GroupPlan, GroupPolicy, Plan, join_path, mesh_problems, plan_config, policy_problems
 from .schema import (
     FSDPConfig,
     Match,
@@ -38,5 +38,6 @@ __all__ = [
     "join_path",
     "mesh_problems",
     "plan_config",
+    "policy_problems",
     "problems_from",
 ]

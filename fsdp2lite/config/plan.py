@@ -13,7 +13,16 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._plan import GroupSettings, GroupSpec, MeshShape, ParamSpec, group_problems, join_path, owned_params
+from .._plan import (
+    GroupSettings,
+    GroupSpec,
+    MeshShape,
+    ParamSpec,
+    group_problems,
+    join_path,
+    owned_params,
+    settings_problems,
+)
 from .._plan import mesh_problems as plan_mesh_problems
 from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy
 from .errors import Problem
@@ -76,10 +85,7 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     ``fully_shard`` would give it (groups in plan order), and collect every problem: rules that match
     nothing, parameters tied across groups, 0-dim parameters."""
     plan = Plan()
-    top = GroupPolicy(
-        config.reshard_after_forward, config.mixed_precision, config.offload, config.reduce_scatter_unused_params,
-        communication=config.communication, sharding=config.sharding,
-    )  # fmt: skip
+    top = _top_policy(config)
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
     for path, module in model.named_modules():
         if path == "":
@@ -117,7 +123,6 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
 def _group_spec(group: GroupPlan, params: dict[str, nn.Parameter], plan: Plan) -> GroupSpec:
     """The spec ``fully_shard`` builds for ``group`` (no mesh yet), its parameters named by model paths."""
     policy = group.policy
-    kwargs = policy.fully_shard_kwargs()
     specs = []
     for name, param in params.items():
         override = plan.precision.get(name)
@@ -133,15 +138,41 @@ def _group_spec(group: GroupPlan, params: dict[str, nn.Parameter], plan: Plan) -
                 override is not None,
             )
         )
-    settings = GroupSettings(
+    label = " + ".join(path or "<root>" for path in group.paths)
+    return GroupSpec(label, group.modules, group.paths, tuple(specs), _settings(policy), mesh=None)
+
+
+def _settings(policy: GroupPolicy) -> GroupSettings:
+    """``policy`` as the settings ``fully_shard`` takes."""
+    kwargs = policy.fully_shard_kwargs()
+    return GroupSettings(
         policy.mixed_precision,
         kwargs["offload_policy"],
         kwargs["comm_policy"],
         kwargs["sharding"],
         kwargs["reshard_after_forward"],
     )
-    label = " + ".join(path or "<root>" for path in group.paths)
-    return GroupSpec(label, group.modules, group.paths, tuple(specs), settings, mesh=None)
+
+
+def policy_problems(config: FSDPConfig) -> list[Problem]:
+    """What contradicts itself in the top level's policy or a rule's, found without a model: ``fully_shard``'s
+    own checks of a group's settings (``settings_problems``), on the policy each rule's groups and the root get.
+    ``plan_config`` finds the same on each planned group; ``fsdp2lite validate`` reports these."""
+    top = _top_policy(config)
+    policies = [("", top)] + [(f"wrap.{index}", _rule_policy(top, rule)) for index, rule in enumerate(config.wrap)]
+    return [problem for where, policy in policies for problem in settings_problems(_settings(policy), where)]
+
+
+def _top_policy(config: FSDPConfig) -> GroupPolicy:
+    """The root's policy: the top-level values."""
+    return GroupPolicy(
+        config.reshard_after_forward,
+        config.mixed_precision,
+        config.offload,
+        config.reduce_scatter_unused_params,
+        communication=config.communication,
+        sharding=config.sharding,
+    )
 
 
 def _rule_hits(names: list[str], paths: str | list[str], location: str, plan: Plan) -> list[str]:
