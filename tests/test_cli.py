@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import re
@@ -17,6 +18,8 @@ from _cpu_env import cpu_env
 import fsdp2lite
 from fsdp2lite.cli import main
 from fsdp2lite.cli.demo import make_text, param_bytes, sample_batch
+from fsdp2lite.finetune import deps
+from fsdp2lite.finetune.deps import EXTRAS, NEEDED
 from fsdp2lite.models import GPT, GPTConfig, shard_gpt
 
 # A table row: "│    0 │     10,624 │     21,248 │     0.500 │" (any box characters)
@@ -169,3 +172,69 @@ def test_main_restores_logging_and_warnings(capsys: pytest.CaptureFixture[str]) 
     assert main(["schema"]) == 0
     assert (logging.root.manager.disable, list(warnings.filters)) == before
     capsys.readouterr()
+
+
+# ---- doctor: the extras and a verdict per job kind ----------------------------------------------------
+def _installed(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def test_doctor_lists_the_extras_and_ends_with_a_verdict_per_job_kind() -> None:
+    """In a fresh process, as a user runs it: every extra's library with its version (or "not installed"),
+    then one line per job kind, from the check the jobs make (require_libraries); importing peft and torchao
+    for it prints nothing of theirs ([Note: quiet commands]): no "Failed to load", no pytree warning."""
+    done = _run_cli("doctor")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in done.stdout.splitlines()]
+    versions = {row[1]: row[2] for row in cells if len(row) == 4 and row[0] in EXTRAS}  # the extras table's
+    assert versions == {package: _installed(package) for packages in EXTRAS.values() for package in packages}
+    lines = done.stdout.splitlines()[-len(NEEDED) :]
+    assert [line.split(":")[0] for line in lines] == ["train", "lora", "qlora", "offload"], lines
+    for line, (kind, needed) in zip(lines, NEEDED.items()):
+        if all(_installed(name) != "not installed" for name in needed):
+            used = ", ".join(f"{name} {_installed(name)}" for name in needed) or f"torch {torch.__version__}"
+            assert line.startswith(f"{kind}: ready ({used}"), line
+        else:
+            assert line.startswith(f"{kind}: not ready: ") and line.endswith('pip install -e ".[finetune]"'), line
+    assert "Failed to load" not in done.stdout and "Enum subclass" not in done.stdout
+
+
+def test_doctor_verdicts_name_what_is_missing_or_broken(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A library not installed, and one installed whose import fails (a dependency of its own missing): each
+    kind's line names it and the install command; the kinds that do not use it stay ready."""
+    (tmp_path / "fsdp2lite_broken_lib.py").write_text("import fsdp2lite_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import raises ModuleNotFoundError, as when not installed
+    monkeypatch.setitem(deps.NEEDED, "lora", ("fsdp2lite_broken_lib",))
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()[-len(NEEDED) :]
+    assert lines[0] == f"train: ready (torch {torch.__version__})"
+    assert lines[1] == (
+        "lora: not ready: fsdp2lite_broken_lib installed but failing to import (ModuleNotFoundError: No module "
+        "named 'fsdp2lite_absent_dependency'); pip install -e \".[finetune]\""
+    )
+    assert lines[2] == 'qlora: not ready: torchao not installed; pip install -e ".[finetune]"', lines[2]
+    assert lines[3].startswith("offload: ready (")
+    with pytest.raises(deps.MissingExtraError, match=r"--finetune qlora needs torchao, not installed: pip"):
+        deps.require_libraries("qlora")
+
+
+def test_the_extras_doctor_lists_are_pyprojects() -> None:
+    """deps.EXTRAS names the libraries of pyproject.toml's extras (doctor's table); [dev] holds them all, so the
+    tests run with every one."""
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names = {extra: [re.split(r"[<>=!~; ]", spec)[0] for spec in specs] for extra, specs in extras.items()}
+    for extra, packages in EXTRAS.items():
+        assert names[extra] == list(packages), (extra, names[extra])
+        assert set(packages) <= set(names["dev"]), names["dev"]
+    assert set(NEEDED) == {"train", "lora", "qlora", "offload"}
+    assert {name for needed in NEEDED.values() for name in needed} <= set(EXTRAS["finetune"])

@@ -35,9 +35,9 @@ def _have(*names: str) -> bool:
     return True
 
 
-needs_peft = pytest.mark.skipif(not _have("peft"), reason='peft is not installed: pip install "fsdp2lite[finetune]"')
+needs_peft = pytest.mark.skipif(not _have("peft"), reason=f"peft is not installed: {finetune.INSTALL_HINT}")
 needs_torchao = pytest.mark.skipif(
-    not _have("peft", "torchao"), reason='peft or torchao is not installed: pip install "fsdp2lite[finetune]"'
+    not _have("peft", "torchao"), reason=f"peft or torchao is not installed: {finetune.INSTALL_HINT}"
 )
 
 
@@ -205,7 +205,7 @@ def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, miss
     monkeypatch.setitem(sys.modules, missing, None)  # import raises ImportError
     with pytest.raises(
         finetune.MissingExtraError,
-        match=rf'needs (peft and )?{missing}, not installed: pip install "fsdp2lite\[finetune\]"',
+        match=rf'needs (peft and )?{missing}, not installed: pip install -e "\.\[finetune\]"$',
     ):
         finetune.require_libraries("qlora")
 
@@ -311,6 +311,6 @@ def test_train_qlora_without_torchao_names_the_extra(monkeypatch: pytest.MonkeyP
     args = train.parse_args(["--finetune", "qlora"])
     with pytest.raises(
         train.UsageError,
-        match=r'--finetune qlora needs (peft and )?torchao, not installed: pip install "fsdp2lite\[finetune\]"',
+        match=r'--finetune qlora needs (peft and )?torchao, not installed: pip install -e "\.\[finetune\]"',
     ):
         train.read_inputs(args, train.HF_CONFIG)

@@ -1,6 +1,9 @@
 """``fsdp2lite doctor``: what this environment has: versions, devices and backends, host memory for CPU
 offload (RAM, the locked-memory limit; ``--nvme-path DIR``: whether optimizer state can live there), which
-integrations can be imported, and what ``fl.patch()`` would rebind here."""
+integrations can be imported, what ``fl.patch()`` would rebind here, the fine-tuning extras' versions, and
+last one verdict line per job kind (train, lora, qlora, offload), from the check the jobs themselves make
+(``finetune.require_libraries``). Other packages' import-time warnings stay out of it ([Note: quiet commands]).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +16,30 @@ import shutil
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
 from .._units import human_bytes
+from ..finetune.deps import EXTRAS, INSTALL_HINT, NEEDED, MissingExtraError, require_libraries
 
 DESCRIPTION = (
     "Print versions (Python, torch, fsdp2lite and the libraries it works with), devices and process-group "
     "backends, host memory for CPU offload (and, with --nvme-path, whether optimizer state can live there), "
-    "which integrations are importable, and what fsdp2lite.patch() would rebind in this process."
+    "which integrations are importable, what fsdp2lite.patch() would rebind in this process, the fine-tuning "
+    "extras, and a verdict per job kind (train, lora, qlora, offload): ready, or what to install."
 )
-PACKAGES = ("torch", "pydantic", "transformers", "accelerate", "pytorch-lightning", "lightning", "torchao",
-            "safetensors", "trl", "torchtitan", "torchtune")  # fmt: skip
+PACKAGES = ("torch", "pydantic", "pytorch-lightning", "lightning", "safetensors", "torchtitan", "torchtune")
+# what each extra's library is for (deps.EXTRAS names them, as pyproject.toml's extras do)
+USES = {
+    "peft": "--finetune lora|qlora: the LoRA adapters",
+    "torchao": "--finetune qlora: the NF4 base",
+    "trl": "TRL trainers (SFTTrainer) run under fsdp2lite.run",
+    "bitsandbytes": "4-bit bases of transformers / TRL scripts",
+    "transformers": "Hugging Face models (--weights, presets), the native FSDP2 integration",
+    "accelerate": "Trainer / Accelerate scripts (fsdp2lite.integrations.accelerate)",
+}
+NOT_INSTALLED = "not installed"
 INTEGRATIONS = (
     ("transformers native FSDP2", "transformers.distributed.fsdp", "fl.patch() before importing model classes"),
     ("Accelerate FSDP2", "accelerate.utils.fsdp_utils", "fsdp2lite.integrations.accelerate.install()"),
@@ -50,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
     host, usable = _host(args.nvme_path)
     console.print(host)
     console.print(_integrations(args.import_tools))
-    console.print(_patch_plan())
+    console.print(_patch_plan())  # before the verdicts import peft and torchao, which would change the plan
+    console.print(_extras())
+    for line in verdicts(None if usable else args.nvme_path):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     return 0 if usable else 1
 
 
@@ -62,7 +80,7 @@ def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
-        return "-"
+        return NOT_INSTALLED
 
 
 def _versions() -> Table:
@@ -168,3 +186,47 @@ def _patch_plan() -> Table:
     for entry in planned():
         table.add_row(entry)
     return table
+
+
+def _extras() -> Table:
+    """The libraries of the extras fine-tuning and Hugging Face jobs use, with their versions."""
+    table = Table(title=escape(f'extras, from a clone: {INSTALL_HINT} (or ".[hf]")'))
+    for column in ("extra", "package", "version", "for"):
+        table.add_column(column)
+    for extra, packages in EXTRAS.items():
+        for package in packages:
+            table.add_row(extra, package, _version(package), USES[package])
+    return table
+
+
+def verdicts(unusable_nvme_path: str | None = None) -> list[str]:
+    """One line per job kind: ``ready (the libraries it uses, with versions)`` or ``not ready: why; what to
+    install``, from ``require_libraries``, the check the job makes when it starts. ``unusable_nvme_path``: a
+    ``--nvme-path`` that cannot hold optimizer state (offload's line says so)."""
+    import torch.distributed as dist
+
+    lines = []
+    for kind, needed in NEEDED.items():
+        if not dist.is_available():
+            lines.append(f"{kind}: not ready: torch {_version('torch')} was built without torch.distributed")
+            continue
+        try:
+            require_libraries(kind)
+        except MissingExtraError as exc:
+            lines.append(f"{kind}: not ready: {'; '.join(exc.reasons())}; {INSTALL_HINT}")
+            continue
+        used = ", ".join(f"{name} {_version(name)}" for name in ("torch", *needed) if name != "torch" or not needed)
+        lines.append(f"{kind}: ready ({used}{_offload_note(kind, unusable_nvme_path)})")
+    return lines
+
+
+def _offload_note(kind: str, unusable_nvme_path: str | None) -> str:
+    """What offload's line adds: pinning needs CUDA; the --nvme-path that cannot serve."""
+    import torch
+
+    if kind != "offload":
+        return ""
+    note = "" if torch.cuda.is_available() else "; no CUDA here: offload with pin_memory: false"
+    if unusable_nvme_path is not None:
+        note += f"; not optimizer: nvme at {unusable_nvme_path} (see nvme_path above)"
+    return note
