@@ -227,7 +227,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
         choices=("full", "lora", "qlora"),
         default="full",
         help="full: train every parameter; lora: peft LoRA adapters on a frozen bf16 base; qlora: the same on a "
-        'frozen torchao NF4 base (both need pip install "fsdp2lite[finetune]")',
+        f"frozen torchao NF4 base (both need {finetune.INSTALL_HINT}, from a clone)",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default 16)")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha; the update is scaled by alpha / rank")

@@ -237,7 +237,7 @@ def safe_open(path: Path) -> Any:
         import safetensors
     except ImportError:
         raise ImportError(
-            "load_sharded_weights reads safetensors files: pip install safetensors (fsdp2lite[hf] brings it)"
+            "load_sharded_weights reads safetensors files: pip install safetensors (the [hf] extra brings it)"
         ) from None
     return safetensors.safe_open(str(path), framework="pt")
 

@@ -47,7 +47,7 @@ def test_nf4_bits_and_the_pinned_allocators_sizes() -> None:
 
 
 def test_planned_adapters_have_peft_shapes_and_freeze_the_base() -> None:
-    peft = pytest.importorskip("peft", reason="peft (fsdp2lite[finetune]) is the reference for the adapters")
+    peft = pytest.importorskip("peft", reason="peft (the [finetune] extra) is the reference for the adapters")
     planned = _planned(rank=4)
     with torch.device("meta"):
         reference = peft.get_peft_model(

@@ -54,7 +54,8 @@ def _transformers(spec: str, prog: str) -> Any:
         import transformers
     except ImportError:
         raise UsageError(
-            f"argument --model: {spec!r} is a Hugging Face model; that needs transformers: pip install 'fsdp2lite[hf]'",
+            f'argument --model: {spec!r} is a Hugging Face model; that needs transformers: pip install -e ".[hf]" '
+            "from a clone of fsdp2lite (or pip install transformers)",
             prog,
         ) from None
     return transformers

@@ -5,7 +5,8 @@ The recipe (docs/finetune.md): ``require_libraries`` -> on the meta device ``app
 for qlora) -> ``finetune_config`` + ``fl.apply_config`` -> ``to_empty`` -> ``fl.load_sharded_weights`` (with
 ``load_nf4_rows`` for qlora: each rank reads and quantizes its own rows) -> ``init_adapters`` -> train ->
 ``save_adapter`` (peft's format) and ``save_trainable`` / ``load_trainable`` (adapters + optimizer, for
-resuming). Needs the ``fsdp2lite[finetune]`` extra (peft and torchao); nothing here imports them before it is called.
+resuming). Needs the ``[finetune]`` extra (peft and torchao: ``pip install -e ".[finetune]"`` in a clone);
+nothing here imports them before it is called.
 """
 
 from __future__ import annotations

@@ -90,5 +90,5 @@ def _accelerate_modules() -> list[Any]:
     except ImportError as exc:
         raise ImportError(
             f"fsdp2lite.integrations.accelerate needs Accelerate ({exc}); install it with "
-            "pip install 'fsdp2lite[hf]' (or pip install accelerate)"
+            'pip install -e ".[hf]" from a clone of fsdp2lite (or pip install accelerate)'
         ) from None
