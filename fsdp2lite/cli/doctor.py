@@ -215,7 +215,7 @@ def verdicts(unusable_nvme_path: str | None = None) -> list[str]:
         except MissingExtraError as exc:
             lines.append(f"{kind}: not ready: {'; '.join(exc.reasons())}; {INSTALL_HINT}")
             continue
-        used = ", ".join(f"{name} {_version(name)}" for name in ("torch", *needed) if name != "torch" or not needed)
+        used = ", ".join(f"{name} {_version(name)}" for name in needed or ("torch",))  # what the kind adds
         lines.append(f"{kind}: ready ({used}{_offload_note(kind, unusable_nvme_path)})")
     return lines
 
