@@ -24,7 +24,7 @@ def add_finetune_arguments(parser: argparse.ArgumentParser, finetune_help: str) 
     group.add_argument(
         "--lora-targets",
         default=None,
-        help=f"Linear layer names that get adapters, a comma list (default {','.join(DEFAULT_TARGETS)})",
+        help=f"Linear layer names that get adapters, a comma list (default {', '.join(DEFAULT_TARGETS)})",
     )
 
 
