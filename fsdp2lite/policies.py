@@ -34,6 +34,11 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 _CANONICAL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32`` (the YAML spelling); other dtypes by torch's name (``int8``)."""
+    return _CANONICAL.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def parse_dtype(value: Any) -> torch.dtype | None:
     """The one place strings become dtypes. ``None`` stays ``None`` (meaning: no cast)."""
     if value is None:

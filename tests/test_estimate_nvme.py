@@ -129,7 +129,8 @@ def test_explain_shows_the_optimizer_state_placement(tmp_path: Path, capsys: pyt
         "wrap:\n  - match: {class: Block}\n    offload: {device: cpu, optimizer: nvme, nvme_path: /mnt/nvme0}\n"
         "offload: {device: cpu}\n"
     )
-    assert main(["explain", str(path), "--model", "fsdp2lite.models:gpt_small", "--world-size", "4"]) == 0
+    argv = ["explain", str(path), "--model", "fsdp2lite.models:gpt_small", "--world-size", "4", "--all"]
+    assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert out.count("optimizer state: nvme (/mnt/nvme0: one file per rank") == 4  # gpt_small's four blocks
     assert out.count("optimizer state: host memory") == 1  # the root

@@ -37,8 +37,10 @@ def test_explain_takes_a_model_directory_and_groups_by_no_split_modules(llama_di
     assert main(["explain", "--model", str(llama_dir), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "default plan (LlamaDecoderLayer)" in out
-    assert out.count("wrap[0]: class=[LlamaDecoderLayer]") == 3  # one group per decoder layer
-    assert "in 4 groups" in out  # three layers and the root
+    assert "3 x LlamaDecoderLayer (model.layers.0 .. model.layers.2)  wrap[0]: class=[LlamaDecoderLayer]" in out
+    assert "in 4 groups" in out  # three layers and the root, the alike layers shown once
+    assert main(["explain", "--model", str(llama_dir), "--world-size", "2", "--all"]) == 0
+    assert capsys.readouterr().out.count("wrap[0]: class=[LlamaDecoderLayer]") == 3  # one node per decoder layer
     assert main(["explain", "--model", str(llama_dir / "config.json"), "--world-size", "2"]) == 0
 
 

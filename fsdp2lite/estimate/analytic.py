@@ -240,11 +240,10 @@ def group_bytes(
             padded = _padded_numel(p, shard, dim)  # all-gather layout
             policy = param.mixed_precision  # the group's or its own: [Note: per-parameter mixed precision]
             compute = padded * element_size(cast_dtype(p, policy.param_dtype))
+            stored = stored_nbytes(p, shard, dim, name in nf4)
+            gathered = nf4_bytes(padded) if name in nf4 else compute
             if name in nf4:
-                stored, gathered = nf4_bytes(padded // shard), nf4_bytes(padded)
                 dequantized = max(dequantized, p.numel() * element_size(policy.param_dtype or p.dtype))
-            else:
-                stored, gathered = sharded_nbytes(p, shard, dim), compute
             sharded += stored
             unsharded += gathered
             if p.requires_grad or not group.policy.offload.optimizer_only:  # optimizer_only: masters of trainables
@@ -287,6 +286,14 @@ def trained_bytes(plan: Plan, groups: list[GroupBytes], replicate: int) -> list[
     """Per group, its trainable shards' bytes on a rank: an HFSDP group's split across the replicas."""
     split = [replicate if group.policy.sharding.replica_sharded else 1 for group in plan.groups]
     return [g.trainable // ways for g, ways in zip(groups, split)]
+
+
+def stored_nbytes(param: torch.Tensor, shard: int, dim: int, nf4: bool = False) -> int:
+    """One rank's bytes of ``param`` as stored: its padded shard on ``dim`` (``sharded_nbytes``), or, for a
+    weight qlora keeps in NF4 (``nf4``), that many weights at NF4's size. The S term sums it; explain too."""
+    if nf4:
+        return nf4_bytes(_padded_numel(param, shard, dim) // shard)
+    return sharded_nbytes(param, shard, dim)
 
 
 def _padded_numel(param: torch.Tensor, shard: int, dim: int) -> int:

@@ -1,0 +1,48 @@
+"""``--finetune``, ``--lora-rank`` and ``--lora-targets``: what a job trains, as the commands that plan one
+take it (``explain``; ``estimate`` spells them the same way). One parser group, one reading of it and one
+check of the targets against the model, so the defaults and the refusals are the same everywhere."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch.nn as nn
+
+from ..estimate.finetune import FINETUNES, Finetune
+from ..finetune.lora import DEFAULT_TARGETS, targets_problem
+from ._args import UsageError, positive_int
+
+DEFAULT_RANK = Finetune().rank
+
+
+def add_finetune_arguments(parser: argparse.ArgumentParser, finetune_help: str) -> None:
+    """The fine-tuning group; ``--lora-rank`` and ``--lora-targets`` default to None (not given), read by
+    ``finetune_from_args`` as rank 16 and the Llama projections."""
+    group = parser.add_argument_group("fine-tuning")
+    group.add_argument("--finetune", choices=FINETUNES, default=None, help=finetune_help)
+    group.add_argument("--lora-rank", type=positive_int, default=None, help=f"LoRA rank r (default {DEFAULT_RANK})")
+    group.add_argument(
+        "--lora-targets",
+        default=None,
+        help=f"Linear layer names that get adapters, a comma list (default {', '.join(DEFAULT_TARGETS)})",
+    )
+
+
+def finetune_from_args(args: argparse.Namespace, prog: str) -> Finetune:
+    """The ``Finetune`` the flags name (``--finetune`` absent: full); a rank or target list ``Finetune``
+    refuses is a ``UsageError`` naming the flags."""
+    rank = DEFAULT_RANK if args.lora_rank is None else args.lora_rank
+    text = ",".join(DEFAULT_TARGETS) if args.lora_targets is None else args.lora_targets
+    try:
+        targets = tuple(t.strip() for t in text.split(",") if t.strip())
+        return Finetune(args.finetune or "full", rank, targets)
+    except ValueError as exc:
+        raise UsageError(f"argument --lora-targets/--lora-rank: {exc}", prog=prog) from None
+
+
+def check_targets(model: nn.Module, finetune: Finetune, spec: str, prog: str) -> None:
+    """For lora/qlora: every target names a Linear layer of ``model``; otherwise a ``UsageError`` listing
+    the ones it has (``spec``: the ``--model`` given)."""
+    problem = targets_problem(model, finetune.targets) if finetune.adapters else None
+    if problem is not None:
+        raise UsageError(f"cannot plan {spec}: --finetune {finetune.kind}: {problem}", prog=prog)
