@@ -61,6 +61,7 @@ from torch.utils.data import Dataset, DistributedSampler
 import fsdp2lite as fl
 from fsdp2lite import finetune
 from fsdp2lite.models import GPT, GPTConfig
+from fsdp2lite.quiet import quiet_known_noise, refuse
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = REPO / "examples" / "data" / "sample.txt"
@@ -121,11 +122,8 @@ class UsageError(Exception):
 
 # ---- 0. arguments ---------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # every rank exits 2; only rank 0 prints
-        if os.environ.get("RANK", "0") == "0":
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+    def error(self, message: str) -> Any:  # every rank exits 2; the job says it once (fsdp2lite.quiet.refuse)
+        sys.exit(refuse(f"{self.format_usage()}{self.prog}: error: {message}", launcher_rank()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -332,11 +330,15 @@ def on_every_rank(job: Job, what: str, fn: Callable[[], T]) -> T:
 
 
 class SetupFailed(Exception):
+    """Every rank's distinct failure of one step, each once; a message that starts by naming what ``what``
+    names ("loading w" and "w: cannot load into the model: ...") says it once."""
+
     def __init__(self, what: str, failed: dict[str, list[int]], world_size: int) -> None:
         lines = []
+        subject = what.partition(" ")[2]  # "loading w" -> "w"
         for message, ranks in failed.items():
             where = "" if len(ranks) == world_size else f" (rank {', '.join(map(str, ranks))})"
-            lines.append(f"error while {what}{where}: {message}")
+            lines.append(f"error while {what}{where}: {message.removeprefix(f'{subject}: ')}")
         super().__init__("\n".join(lines))
 
 
@@ -392,7 +394,6 @@ def resolve_model(args: argparse.Namespace) -> ModelSpec:
 
 def _transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
-    _quiet_library_imports()
     try:
         import transformers
     except ImportError:
@@ -402,15 +403,6 @@ def _transformers() -> Any:
         ) from None
     transformers.logging.set_verbosity_error()
     return transformers
-
-
-def _quiet_library_imports() -> None:
-    """transformers imports torchao when it is installed; torchao's CPU build logs a warning for each CUDA
-    kernel library it lacks, and torch one for each of its enums. Noise on every rank: errors still show."""
-    import logging
-
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def new_model(spec: ModelSpec) -> nn.Module:
@@ -959,30 +951,26 @@ class Report:
 
 # ---- main ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()  # other packages' import-time lines (torchao, torch's pytree, bitsandbytes, transformers)
     args = parse_args(argv)
     try:
         job = join_process_group(args)
     except UsageError as exc:  # found the same way on every rank, before any collective
-        return fail(f"error: {exc}", print_it=os.environ.get("RANK", "0") == "0")
+        return refuse(f"error: {exc}", launcher_rank())
     try:
         record = train(args, job)
     except SetupFailed as exc:  # every rank is here: none waits in a collective
         dist.destroy_process_group()
-        return fail(str(exc), print_it=job.rank == 0)
+        return refuse(str(exc), job.rank)
     if job.rank == 0:
         print(json.dumps(record), flush=True)  # the last line: one JSON record of the run
     dist.destroy_process_group()
     return 0
 
 
-def fail(message: str, print_it: bool) -> int:
-    if print_it:
-        print(message, file=sys.stderr)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torchrun's failure summary shows this message (the file as torchrun's @record writes it)
-        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
-    return 2
+def launcher_rank() -> int:
+    """This process's rank before the process group exists: torchrun's RANK, or 0 alone."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def leave(code: int) -> None:

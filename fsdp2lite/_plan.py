@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ._runtime.extension import has_extension
 from ._runtime.post_forward import post_forward_dims_problem, post_forward_size_problem
+from ._summary import summarized
 from .host.nvme import nvme_path_problem
 from .mesh import MeshInfo, check_tp_mesh
 from .policies import (
@@ -52,12 +53,12 @@ class PlanError(ValueError):
 
     def __init__(self, owner: str, problems: list[Problem]) -> None:
         self.problems = problems
-        lines = [_line(p, owner) for p in problems]
-        if len(lines) == 1:
+        lines = summarized([_line(p, owner) for p in problems])
+        if len(problems) == 1:
             super().__init__(f"fully_shard({owner}): {lines[0]}")
         else:
             super().__init__(
-                f"fully_shard({owner}): {len(lines)} problems\n" + "\n".join(f"  {line}" for line in lines)
+                f"fully_shard({owner}): {len(problems)} problems\n" + "\n".join(f"  {line}" for line in lines)
             )
 
 

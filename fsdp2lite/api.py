@@ -118,7 +118,21 @@ def fully_shard(
         group = _make_group(params, spec, mesh_info)
         _install(modules, FSDPState(modules, group, mp_policy))
     _register_composable(modules)
+    TALLY.calls, TALLY.modules = TALLY.calls + 1, TALLY.modules + len(modules)
     return module
+
+
+@dataclasses.dataclass
+class ShardTally:
+    """What ``fully_shard`` did in this process: the calls that sharded (one group each) and the modules they
+    made FSDPModules. The launcher's exit report reads it (``python -m fsdp2lite.run``: a script that ran under
+    it without any call is told so); only ``fully_shard`` writes it, once per call, after the build."""
+
+    calls: int = 0
+    modules: int = 0
+
+
+TALLY = ShardTally()
 
 
 def _checked_on_mesh(spec: GroupSpec, mesh: DeviceMesh | None, owned: list[OwnedParam]) -> tuple[GroupSpec, MeshInfo]:

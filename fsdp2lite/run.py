@@ -10,9 +10,23 @@ through Accelerate, Lightning, TRL: fsdp2lite/integrations/patch.py), then runs 
 ``__main__`` with its own arguments, the way ``python SCRIPT`` would: ``sys.argv`` is ``[SCRIPT,
 ARGS...]`` and ``sys.path[0]`` the script's directory (the current directory for ``-m``).
 
+Before the script runs, ``quiet_known_noise()`` leaves other packages' known import-time lines out of its
+output (torchao's "Failed to load ...so", torch's "... is an Enum subclass", bitsandbytes' kernels-community
+line, transformers' "`is_gradient_checkpointing` is deprecated": [Note: quiet commands] in fsdp2lite/quiet.py);
+the script's own warnings and log lines still show. When the script ends well, rank 0 says on one line of
+stderr how many modules fsdp2lite sharded in its process, or warns that it sharded nothing ([Note: the exit
+report]).
+
 Exit codes: the script's own (its exceptions propagate with their traceback, exactly as without the
 launcher); 2 with one line on stderr when the script or module cannot be found or the launcher's
 command line is wrong.
+
+[Note: the exit report]
+A script can ask for FSDP and still not get it: on CPU Accelerate drops its FSDP plugin without a word and the
+HF Trainer trains with DDP, so the launcher's rebound names are never called. ``fully_shard`` counts its calls
+(``api.TALLY``: cheap, inside fsdp2lite, no hook on torch); at a clean end (the script returned, or exited 0)
+rank 0 prints "fsdp2lite sharded N modules in K fully_shard calls", or a warning naming the likely reason
+when K is 0. A script that fails gets no report: its own error is the news.
 
 [Note: what the launcher does not reach]
 Only this process is patched. Processes the script starts with multiprocessing's ``spawn`` (DataLoader
@@ -26,6 +40,8 @@ import importlib.util
 import os
 import runpy
 import sys
+
+from .quiet import quiet_known_noise
 
 PROG = "python -m fsdp2lite.run"
 USAGE = f"usage: {PROG} [-h] [--verbose] (SCRIPT | -m MODULE) [ARGS...]"
@@ -47,8 +63,19 @@ options:
   -m MODULE      run a module as `python -m MODULE` would, instead of a script
   --verbose      print what fsdp2lite.patch() rebound (on stderr) before running
 
+At a clean end rank 0 prints one line on stderr: how many modules fsdp2lite sharded, or a warning when the
+script called fully_shard nowhere (on CPU, Accelerate and the HF Trainer fall back to DDP). Other packages'
+known import-time warnings are left out; the script's own show.
+
 Exit status: the script's own; 2 when SCRIPT or MODULE is not found or this command line is wrong.
 """
+NOTHING_SHARDED = (
+    "warning: the script ran without fsdp2lite sharding anything (no fully_shard call in this process), so it "
+    "trained unsharded or under another wrapper. Likely: Accelerate (and the HF Trainer through it) runs FSDP on "
+    "accelerators only and on CPU falls back to DDP without a word; on GPUs, check that the script asks for FSDP2 "
+    '(Trainer: --fsdp full_shard --fsdp_config with {"fsdp_version": 2}; Accelerate: fsdp_version: 2) or calls '
+    "fully_shard itself"
+)
 
 
 class UsageError(Exception):
@@ -101,6 +128,29 @@ def patch_torch(verbose: bool) -> None:
         print(report, file=sys.stderr)
 
 
+def report_sharding() -> None:
+    """Rank 0's line at the script's clean end ([Note: the exit report]); other ranks say nothing."""
+    from .api import TALLY
+
+    if rank() != 0:
+        return
+    if not TALLY.calls:
+        print(f"{PROG}: {NOTHING_SHARDED}", file=sys.stderr, flush=True)
+        return
+    modules = f"{TALLY.modules} module{'s' * (TALLY.modules != 1)}"
+    calls = f"{TALLY.calls} fully_shard call{'s' * (TALLY.calls != 1)}"
+    print(f"{PROG}: fsdp2lite sharded {modules} in {calls} on rank 0", file=sys.stderr, flush=True)
+
+
+def rank() -> int:
+    """This process's rank: torchrun's RANK, else the process group's (the script may have destroyed it), else 0."""
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def run_script(path: str, args: list[str]) -> None:
     sys.argv = [path, *args]
     if os.path.isfile(path):  # as `python SCRIPT`; run_path puts a directory or zip on sys.path itself
@@ -128,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc} (see --help)", file=sys.stderr)
         return 2
+    quiet_known_noise()  # before the script imports torchao, peft or bitsandbytes
     patch_torch(verbose)
-    if kind == "script":
-        run_script(target, args)
-    else:
-        run_module(target, args)
+    try:
+        if kind == "script":
+            run_script(target, args)
+        else:
+            run_module(target, args)
+    except SystemExit as exc:
+        if exc.code in (0, None):  # `sys.exit(main())` after a run that went well
+            report_sharding()
+        raise
+    report_sharding()
     return 0
 
 

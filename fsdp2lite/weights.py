@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ._summary import summarized
 from .checkpoint.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -186,8 +187,8 @@ def read_checkpoint(directory: Path) -> dict[str, StoredTensor]:
 
 
 def listed(what: str, problems: list[str]) -> str:
-    """One problem on the line; several, one a line below."""
-    return f"{what}: {problems[0]}" if len(problems) == 1 else f"{what}:\n  " + "\n  ".join(problems)
+    """One problem on the line; several, one a line below (alike ones once: ``summarized``)."""
+    return f"{what}: {problems[0]}" if len(problems) == 1 else f"{what}:\n  " + "\n  ".join(summarized(problems))
 
 
 def read_index(index: Path) -> dict[str, list[str]]:
@@ -322,7 +323,7 @@ def plan_loads(
                 skipped += names
                 continue
             tried = ", ".join(dict.fromkeys(k for lookup in lookups.values() for k in lookup.tried))
-            problems.append(f"{directory}: tensor {names[0]}: not in the checkpoint (looked for {tried})")
+            problems.append(f"tensor {names[0]}: not in the checkpoint (looked for {tried})")
             continue
         name = found[0]
         source = stored[lookups[name].key]  # type: ignore[index]

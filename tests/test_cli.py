@@ -146,7 +146,7 @@ def test_import_prints_nothing() -> None:
 def test_a_command_prints_only_its_own_output(tmp_path: Path) -> None:
     """An estimate of a Hugging Face model imports transformers, which imports torchao when installed: its
     "Failed to load ..." log lines and torch's pytree warnings must not reach the command's output
-    ([Note: quiet commands] in fsdp2lite/cli/__init__.py); the table and the JSON line are all there is."""
+    ([Note: quiet commands] in fsdp2lite/quiet.py); the table and the JSON line are all there is."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
     from _models import tiny_llama
 

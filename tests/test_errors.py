@@ -167,3 +167,40 @@ def test_schedule_settings() -> None:
     with pytest.raises(TypeError, match="record_trace needs a module fully_shard was applied to, got Linear"):
         with fl.record_trace(model.head):  # type: ignore[arg-type]
             pass
+
+
+# ---- long lists said once (issue 44) ----------------------------------------------------------------------
+def test_alike_problems_of_many_layers_collapse_into_one_line() -> None:
+    """A problem every layer has is listed once, "and N more like it"; the exception keeps every problem."""
+    from torch.distributed.tensor import Shard
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(12))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(ValueError) as info:
+        fl.fully_shard(Stack(), shard_placement_fn=lambda p: Shard(2))
+    message = str(info.value)
+    assert message.startswith("fully_shard(Stack): 24 problems\n") and len(info.value.problems) == 24
+    lines = message.splitlines()[1:]
+    assert len(lines) == 2, message  # weights and biases: one line each
+    assert lines[0].startswith("  layers.0.weight: shard_placement_fn asks for dim 2, but the parameter has shape")
+    assert lines[0].endswith("; and 11 more like it") and lines[1].endswith("; and 11 more like it")
+    assert "layers.1." not in message
+
+
+def test_a_config_error_lists_each_kind_once_and_counts_past_the_first_few() -> None:
+    from fsdp2lite._plan import Problem
+
+    alike = [Problem(f"model.layers.{i}.mlp.weight", "cannot shard", "") for i in range(80)]
+    kinds = [Problem(f"key_{k}", f"value {k}.5 is not allowed", "use 1") for k in range(10)]
+    message = str(fl.ConfigError("job.yaml", alike + kinds))
+    lines = message.splitlines()
+    assert lines[0] == "job.yaml: 90 problem(s)"
+    assert lines[1] == "  model.layers.0.mlp.weight: cannot shard; and 79 more like it"
+    assert lines[2:9] == [f"  key_{k}: value {k}.5 is not allowed (use 1)" for k in range(7)]  # not alike
+    assert lines[9:] == ["  and 3 more problems"], message

@@ -268,11 +268,12 @@ def _train_module() -> Any:
 @needs_torchao
 def test_train_qlora_saves_a_peft_adapter_and_resumes_exactly(tmp_path: Path) -> None:
     """torchrun, 2 CPU ranks: --finetune qlora 4 steps saving at 2; a run resumed from step 2 has the
-    uninterrupted losses of steps 3 and 4; the checkpoint holds adapters + optimizer and peft's adapter."""
+    uninterrupted losses of steps 3 and 4; the checkpoint holds adapters + optimizer and peft's adapter; no
+    other package's import-time line in the output (issue 44)."""
     import json
 
     import transformers
-    from test_example_train import losses, record, torchrun
+    from test_example_train import foreign_lines, losses, record, torchrun
 
     transformers.LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -280,7 +281,9 @@ def test_train_qlora_saves_a_peft_adapter_and_resumes_exactly(tmp_path: Path) ->
     ).save_pretrained(tmp_path / "model")  # fmt: skip
     common = ["--model-config", "model", "--finetune", "qlora", "--lora-rank", "4", "--seq", "32", "--batch", "2"]
     common += ["--warmup-steps", "2", "--log-every", "1", "--checkpoint-dir", "ckpt", "--save-every", "2"]
-    first = record(torchrun(*common, "--steps", "4", "--metrics", "a.jsonl", cwd=tmp_path))
+    run = torchrun(*common, "--steps", "4", "--metrics", "a.jsonl", cwd=tmp_path)
+    assert foreign_lines(run.stderr) == [], "torchao's, torch's, bitsandbytes' and peft's import noise left out"
+    first = record(run)
     assert first["final_loss"] < losses(tmp_path / "a.jsonl")[1]
     step2 = tmp_path / "ckpt" / "step-0000002"
     config = json.loads((step2 / "adapter" / "adapter_config.json").read_text())

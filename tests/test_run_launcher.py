@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from _cpu_env import cpu_env
+from test_example_train import foreign_lines
 
 from fsdp2lite import run as launcher
 
@@ -31,6 +32,7 @@ TRAINER_ARGS = ["--fsdp", "full_shard", "--fsdp_config", "cfg.json", "--per_devi
                 "--max_steps", "4", "--learning_rate", "5e-3", "--lr_scheduler_type", "constant", "--logging_steps",
                 "1", "--save_strategy", "no", "--report_to", "none", "--seed", "0", "--use_cpu",
                 "--disable_tqdm", "true"]  # fmt: skip
+README_REPORT = "python -m fsdp2lite.run: fsdp2lite sharded 6 modules in 5 fully_shard calls on rank 0"
 FSDP_CONFIG = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 
 
@@ -45,14 +47,14 @@ def _needs_trainer() -> None:
         )
 
 
-def _train(tmp_path: Path, name: str, launch: list[str], extra: list[str]) -> list[dict[str, Any]]:
+def _train(tmp_path: Path, name: str, launch: list[str], extra: list[str]) -> tuple[list[dict[str, Any]], str]:
     out = tmp_path / name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
                str(SCRIPT), "--out", str(out), "--output_dir", str(out / "trainer"), *TRAINER_ARGS, *extra]  # fmt: skip
     env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{name} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)], done.stderr
 
 
 @pytest.mark.parametrize("finetune", ["full", "lora"])
@@ -63,8 +65,8 @@ def test_trainer_script_under_the_launcher_equals_torch(tmp_path: Path, finetune
         pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
         extra = ["--lora"]
     (tmp_path / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
-    torch_runs = _train(tmp_path, "torch", [], extra)
-    fl_runs = _train(tmp_path, "fsdp2lite", ["-m", "fsdp2lite.run"], extra)
+    torch_runs, _ = _train(tmp_path, "torch", [], extra)
+    fl_runs, printed = _train(tmp_path, "fsdp2lite", ["-m", "fsdp2lite.run"], extra)
     for rank, (ref, mine) in enumerate(zip(torch_runs, fl_runs, strict=True)):
         assert mine["losses"] == ref["losses"] and len(mine["losses"]) == 4, (rank, mine["losses"], ref["losses"])
         assert mine["fsdp_enabled"] and ref["fsdp_enabled"]
@@ -77,10 +79,20 @@ def test_trainer_script_under_the_launcher_equals_torch(tmp_path: Path, finetune
     assert fl_runs[0]["losses"] == fl_runs[1]["losses"], "ranks disagree on the logged loss"
     if finetune == "lora":  # the base frozen: only the adapters train
         assert 0 < fl_runs[0]["model"]["trainable"] < 10_000
+    # the exit report, rank 0's only: each FSDPModule counted (Accelerate shards some in one call, as a list)
+    [report] = [line for line in printed.splitlines() if line.startswith("python -m fsdp2lite.run:")]
+    modules = report.removeprefix("python -m fsdp2lite.run: fsdp2lite sharded ").split(" modules in ")[0]
+    assert int(modules) == fl_runs[0]["model"]["groups"] and report.endswith(" fully_shard calls on rank 0"), report
+    if finetune == "full":  # the line README quotes (Accelerate's plan: the 2 layers, the root, 2 modules as one)
+        assert report == README_REPORT and README_REPORT in " ".join((HERE.parent / "README.md").read_text().split())
+    assert foreign_lines(printed) == [], "other packages' import-time lines are left out"
 
 
 PROBE = """\
-import json, sys
+import json, logging, sys, warnings
+logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: as torchao says on import")
+logging.getLogger("probe").warning("the script's own log line")
+warnings.warn("`is_gradient_checkpointing` is deprecated: the script's own warning", FutureWarning)
 import torch.distributed.fsdp as torch_fsdp
 import helper  # found through sys.path[0], the script's directory
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
@@ -109,6 +121,9 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     assert (seen["path0"], seen["name"]) == (str(scripts.resolve()), "__main__")
     assert seen["file"] == "scripts/probe.py"
     assert seen["fully_shard"] == "fsdp2lite.api", "torch's name must resolve to fsdp2lite's"
+    assert "_C_mxfp8.so" not in done.stderr, "torchao's import noise is filtered before the script runs"
+    assert "the script's own log line" in done.stderr and "the script's own warning" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"python -m fsdp2lite.run: {launcher.NOTHING_SHARDED}"
 
     plain = subprocess.run([sys.executable, "scripts/probe.py", "raise"], cwd=tmp_path, env=cpu_env(),
                            capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -116,7 +131,8 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     assert raised.returncode == plain.returncode == 1
     last_line = "KeyError: 'from the script'"
     assert raised.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1] == last_line
-    assert _launch(["scripts/probe.py", "exit"], tmp_path).returncode == 5
+    exited = _launch(["scripts/probe.py", "exit"], tmp_path)
+    assert exited.returncode == 5 and "fsdp2lite.run:" not in raised.stderr + exited.stderr, "no report on failure"
 
 
 def test_launcher_runs_a_module_with_dash_m(tmp_path: Path) -> None:

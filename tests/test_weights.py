@@ -247,7 +247,10 @@ BAD_CASES = {
     "no-safetensors": ["{dir}: neither model.safetensors.index.json nor model.safetensors (found: pytorch_model.bin;"],
     "damaged": ["{dir}/model.safetensors: not a readable safetensors file"],
     "outside": ["model.safetensors.index.json: tensor lm_head.weight: shard file '../x.safetensors' is not"],
-    "missing-tensor": ["{dir}: tensor model.layers.1.self_attn.o_proj.weight: not in the checkpoint (looked for "],
+    "missing-tensor": [  # the directory named once (issue 44)
+        "{dir}: cannot load into the model: tensor model.layers.1.self_attn.o_proj.weight: not in the checkpoint",
+        "(looked for ",
+    ],
 }
 
 

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .._summary import summarized
 from .errors import CheckpointError
 from .safe import SafeFileSystemReader, SafeLoadPlanner, load_metadata
 
@@ -190,7 +191,7 @@ def check_checkpoint(path: str | Path, state: dict[str, Any]) -> Metadata:
     metadata = read_metadata(path)
     problems = _key_problems(metadata, _flatten(state)) + _file_problems(Path(path), metadata)
     if problems:
-        listing = "\n  ".join(problems)
+        listing = "\n  ".join(summarized(problems))
         raise CheckpointError(f"{path} does not fit this model ({len(problems)} problem(s)):\n  {listing}")
     return metadata
 

@@ -13,27 +13,18 @@ commands share (``UsageError``, the argument types) is in ``_args.py``. Bad user
 (argparse's own errors are turned into one too); ``main`` prints it on one line and returns 2,
 never a traceback.
 
-[Note: quiet commands]
-A command prints its own output and nothing else. Packages it imports lazily speak up when imported or
-used: torchao (pulled in by transformers' quantizers) logs "Failed to load ..._C_mxfp8..." through the
-``torchao`` logger, torch's pytree logs "... is an Enum subclass ..." warnings, others raise Python
-warnings. ``main`` runs the command with log records at WARNING and below dropped (fsdp2lite itself
-logs nothing; errors still show) and with warnings raised outside fsdp2lite ignored, both restored
-afterwards; nothing in those packages is changed. The demo's ranks are processes of their own and keep
-the defaults.
+A command prints its own output and nothing else: ``main`` runs it inside ``quiet_other_packages()``
+([Note: quiet commands] in fsdp2lite/quiet.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from .. import __version__
+from ..quiet import quiet_other_packages
 from ._args import USAGE_EXIT_CODE, Parser, UsageError, non_negative_int, positive_float, positive_int
 
 __all__ = [
@@ -96,17 +87,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fsdp2lite: interrupted", file=sys.stderr)
         return 130
-
-
-@contextmanager
-def quiet_other_packages() -> Iterator[None]:
-    """Other packages' warnings and log lines at WARNING and below stay out of a command's output
-    ([Note: quiet commands]); the logging and warnings settings in force before are restored."""
-    disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # every logger, below ERROR: fsdp2lite has none of its own
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module=r"(?!fsdp2lite(\.|$))")  # raised outside fsdp2lite
-            yield
-    finally:
-        logging.disable(disabled)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._plan import Problem  # one record for fully_shard's problems and a config's
+from .._summary import summarized
 
 
 class ConfigError(ValueError):
@@ -14,8 +15,8 @@ class ConfigError(ValueError):
     def __init__(self, source: str | Path, problems: list[Problem]) -> None:
         self.source = str(source)
         self.problems = problems
-        lines = [f"{self.source}: {len(problems)} problem(s)"]
-        for p in problems:
-            hint = f" ({p.suggestion})" if p.suggestion else ""
-            lines.append(f"  {p.location or '<top>'}: {p.message}{hint}")
-        super().__init__("\n".join(lines))
+        lines = [
+            f"{p.location or '<top>'}: {p.message}{f' ({p.suggestion})' if p.suggestion else ''}" for p in problems
+        ]
+        header = f"{self.source}: {len(problems)} problem(s)"
+        super().__init__("\n  ".join([header, *summarized(lines)]))  # alike problems once

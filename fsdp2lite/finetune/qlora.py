@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .._runtime.comm import all_gather_flat
+from .._summary import summarized
 from .deps import require_libraries
 
 BLOCK_SIZE = 64  # values per NF4 block (one absmax scale each)
@@ -72,7 +73,7 @@ def quantize_base(
         raise ValueError("quantize_base: the model has no LoRA layers; call apply_lora first")
     problems = [problem for path, layer in layers if (problem := shard_problem(path, layer.weight.shape, shard_size))]
     if problems:
-        raise ValueError("cannot quantize to NF4:\n  " + "\n  ".join(problems))
+        raise ValueError(f"cannot quantize to NF4 ({len(problems)} weights):\n  " + "\n  ".join(summarized(problems)))
     for _, layer in layers:
         quantized = nf4.to_nf4(layer.weight.detach().to(dtype), BLOCK_SIZE, SCALER_BLOCK_SIZE)
         if quantized.is_meta:
