@@ -126,8 +126,28 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(refuse(f"{self.format_usage()}{self.prog}: error: {message}", launcher_rank()))
 
 
+class _Defaults(argparse.HelpFormatter):
+    """--help names every option's default (unless its help already says it, or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+# --lr's default per --finetune: the toy models train from scratch at 3e-3; adapters at LoRA's usual rate
+LEARNING_RATES = {"full": 3e-3, "lora": finetune.ADAPTER_LR, "qlora": finetune.ADAPTER_LR}
+
+
+def _short(value: float) -> str:
+    """3e-3, not 0.003 or 3e-03."""
+    return f"{value:.0e}".replace("e-0", "e-")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="examples/train.py", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="examples/train.py", description=__doc__.split("\n\n")[0], formatter_class=_Defaults)
     p.add_argument(
         "--config",
         type=Path,
@@ -145,14 +165,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto (the model directory's tokenizer if it has one, else bytes), bytes, or a local tokenizer directory",
     )
-    p.add_argument("--data", type=Path, default=SAMPLE_DATA, help="a text file, or a directory of .txt files")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=SAMPLE_DATA,
+        help=f"a text file, or a directory of .txt files (default: {SAMPLE_DATA.relative_to(REPO)})",
+    )
     p.add_argument("--seq", type=int, default=128, help="tokens per sample")
     p.add_argument("--batch", type=int, default=4, help="samples per microbatch per data-parallel rank")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per optimizer step")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to reach (counting resumed ones)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak learning rate (default: {_short(LEARNING_RATES['full'])} for --finetune full, "
+        f"{_short(LEARNING_RATES['lora'])} for lora and qlora); linear warmup, then cosine decay to a tenth",
+    )
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps of linear warmup")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this total norm (0: off)")
     p.add_argument(
         "--step-in-backward",
@@ -213,6 +244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     except ValueError as exc:
         p.error(str(exc).replace("lora ", "--lora-", 1))
+    if args.lr is None:
+        args.lr = LEARNING_RATES[args.finetune]
+    if not args.lr > 0:
+        p.error(f"--lr must be a positive number, got {args.lr:g}")
     if args.activation_checkpointing is None:  # on by default for lora/qlora
         args.activation_checkpointing = args.finetune != "full"
     return args
@@ -482,6 +517,8 @@ def finetune_model(args: argparse.Namespace, spec: ModelSpec, config: fl.FSDPCon
     whole model's init, whose generator runs through the tensors in order."""
     mesh = fl.init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=job.device.type)
     shard_size = mesh["shard"].size() if mesh.ndim > 1 else mesh.size()
+    with torch.device("meta"):  # the planner's rule, before anything is built ([Note: one feasibility rule])
+        finetune.check_finetune(new_model(spec), args.finetune, args.lora.targets, shard_size)
     per_rank = args.weights is not None and not args.load_whole_base
     if per_rank:
         with torch.device("meta"):

@@ -160,10 +160,11 @@ def test_a_command_prints_only_its_own_output(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["world_size"] == 2  # --json: stdout is the JSON object alone
+    lines = done.stderr.splitlines()  # and the text answer goes to stderr, with nothing else in it
     assert lines[0].strip() == "llama, world size 2, rank 0", lines[:3]  # the table's title comes first
-    assert json.loads(lines[-1])["world_size"] == 2  # and the JSON line last
+    assert lines[-1].startswith("step time on h100 (assumed: --gpu)"), lines[-3:]
 
 
 def test_main_restores_logging_and_warnings(capsys: pytest.CaptureFixture[str]) -> None:

@@ -208,8 +208,8 @@ def small_gpt() -> GPT:
 
 def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--model", MODEL, "--world-size", "8", "--batch", "4", "--json"]) == 0
-    out = capsys.readouterr().out
-    record = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    record, out = json.loads(captured.out), captured.err  # --json: the JSON alone on stdout, the text on stderr
     assert set(record) >= {"world_size", "rank", "peak_bytes", "phase", "breakdown", "method"}
     assert record["world_size"] == 8 and record["method"] == "simulate"
     assert sum(record["breakdown"].values()) == record["peak_bytes"]
@@ -222,7 +222,7 @@ def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.
     budget = str(int(full * 0.8))  # fp32 does not fit, bf16 does
     argv = ["estimate", "--model", MODEL, "--world-size", "8", "--batch", "4", "--method", "analytic"]
     assert main([*argv, "--budget", budget, "--write-config", str(out_path), "--json"]) == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    record = json.loads(capsys.readouterr().out)
     choice = record["budget"]["choice"]
     assert choice["mixed_precision"] == "bf16" and choice["peak_bytes"] <= int(budget)
     tried = record["budget"]["tried"]

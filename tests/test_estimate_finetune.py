@@ -138,11 +138,81 @@ def test_the_recorder_tags_side_stream_allocations() -> None:
     assert Comm.on.__name__ == "on" and Comm.on.__qualname__.startswith("Comm.")  # restored
 
 
+# every projection of this Llama splits into 1 or 2 row shards of whole NF4 scale blocks, not 3 or 4 (k_proj:
+# 128 x 256 values, 2 shards of 16,384)
+QLORA_LLAMA = functools.partial(tiny_llama, layers=2, hidden=256, intermediate=512)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama")
-    LLAMA().config.save_pretrained(path)
+    with torch.device("meta"):
+        QLORA_LLAMA().config.save_pretrained(path)
     return path
+
+
+def test_one_feasibility_rule_names_what_works_instead() -> None:
+    """[Note: one feasibility rule]: qlora at a shard degree whose row shards do not hold whole NF4 scale
+    blocks is refused with the first problems, a count of the rest and the degrees that work."""
+    from fsdp2lite.finetune import DEFAULT_TARGETS, check_finetune, finetune_problems
+    from fsdp2lite.finetune.feasible import qlora_shard_degrees
+
+    with torch.device("meta"):
+        model = QLORA_LLAMA()
+    assert (
+        finetune_problems(model, "qlora", DEFAULT_TARGETS, 2) == [] == finetune_problems(model, "lora", ("q_proj",), 3)
+    )
+    problems = finetune_problems(model, "qlora", DEFAULT_TARGETS, 3)
+    assert len(problems) == 2 * 7 and problems[0].startswith("model.layers.0.self_attn.q_proj.weight (256, 256): ")
+    assert qlora_shard_degrees(model, DEFAULT_TARGETS, 8) == [1, 2]
+    with pytest.raises(ValueError) as refused:
+        check_finetune(model, "qlora", DEFAULT_TARGETS, 3)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "--finetune qlora cannot run sharded over 3 ranks:" and lines[1] == "  " + problems[0]
+    assert lines[4:] == ["  and 11 more like it", "  qlora works sharded over: 1, 2 ranks; --finetune lora (a bf16 "
+                         "base) works over 3"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--finetune lora cannot run on LlamaForCausalLM:\n  lora targets wq "):
+        check_finetune(model, "lora", ("wq",), 2)
+
+
+def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At world size 3: ``estimate --finetune qlora`` exits 2 with the rule's message, ``--budget`` leaves
+    qlora out of its search saying why, and examples/train.py refuses before building anything, word for
+    word (a fake process group of 3 ranks)."""
+    import sys
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp2lite.finetune import DEFAULT_TARGETS, check_finetune
+
+    with torch.device("meta"):
+        model = QLORA_LLAMA()
+    with pytest.raises(ValueError) as rule:
+        check_finetune(model, "qlora", DEFAULT_TARGETS, 3)
+    args = ["estimate", "--model", str(llama_dir), "--world-size", "3", "--seq", "16"]
+    assert main([*args, "--finetune", "qlora"]) == 2
+    assert f"cannot plan {llama_dir}: {rule.value}" in capsys.readouterr().err
+    assert main([*args, "--budget", "1GiB", "--json"]) == 0
+    captured = capsys.readouterr()
+    searched = {row["finetune"] for row in json.loads(captured.out)["budget"]["tried"]}
+    flat = " ".join(captured.err.split())  # the text answer wraps at the terminal's width
+    assert searched == {"full", "lora"} and " ".join(f"not searched: {rule.value}".split()) in flat
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    options = train.parse_args(["--model-config", str(llama_dir), "--finetune", "qlora", "--device", "cpu"])
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        job = train.Job(0, 3, torch.device("cpu"), "fake")
+        with pytest.raises(ValueError) as refused:
+            train.finetune_model(options, train.resolve_model(options), fl.FSDPConfig(), job)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert str(refused.value) == str(rule.value)
 
 
 def test_cli_finetune_time_and_reserved(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -150,8 +220,8 @@ def test_cli_finetune_time_and_reserved(llama_dir: Path, capsys: pytest.CaptureF
     records = {}
     for link in (["--link", "nvlink4"], ["--link-gbps", "0.001"]):
         assert main([*args, *link, "--gpu", "rtx4090", "--lora-rank", "4", "--json"]) == 0
-        out = capsys.readouterr().out
-        records[link[0]] = json.loads(out.strip().splitlines()[-1])
+        captured = capsys.readouterr()
+        records[link[0]], out = json.loads(captured.out), captured.err
         assert "step time on rtx4090" in out and "reserved (caching allocator)" in out
     fast, slow = records["--link"], records["--link-gbps"]
     assert fast["finetune"] == "qlora" and fast["reserved_bytes"] >= fast["peak_bytes"] > 0
@@ -165,15 +235,15 @@ def test_cli_budget_writes_the_fastest_fitting_setting_and_its_command(
     out_path = tmp_path / "fits.yaml"
     args = ["estimate", "--model", str(llama_dir), "--world-size", "2", "--seq", "16", "--budget", "1GiB"]
     assert main([*args, "--write-config", str(out_path), "--json", "--link", "pcie4", "--gpu", "rtx4090"]) == 0
-    out = capsys.readouterr().out
-    record = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    record, out = json.loads(captured.out), captured.err
     fitting = [row for row in record["budget"]["tried"] if row["fits"]]
     assert record["tokens_per_s"] >= 0.999 * max(row["tokens_per_s"] for row in fitting)  # to 3 digits
     assert f"examples/train.py --config {out_path}" in record["train_command"]
     assert f"--finetune {record['finetune']}" in record["train_command"] and "recommended:" in out
     assert fl.FSDPConfig.from_yaml(out_path).wrap  # a policy file fsdp2lite reads back
     assert main([*args, "--json", "--method", "simulate", "--finetune", "lora", "--lora-rank", "4"]) == 0
-    checked = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    checked = json.loads(capsys.readouterr().out)
     simulated = checked["budget"]["simulated"]  # --method simulate: the choice run on the real runtime too
     assert simulated["method"] == "simulate" and simulated["finetune"] == checked["finetune"] == "lora"
     assert 0.7 <= simulated["peak_bytes"] / checked["peak_bytes"] <= 1.3

@@ -142,8 +142,8 @@ ESTIMATE = ["estimate", "--model", "test_estimate_nvme:toy", "--inputs", "test_e
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any], str]:
     sys.modules.setdefault("test_estimate_nvme", sys.modules[__name__])
     code = main([*ESTIMATE, "--world-size", "4", "--method", "analytic", "--json", *argv])
-    out = capsys.readouterr().out
-    return code, json.loads(out.strip().splitlines()[-1]), " ".join(out.replace("│", " ").split())
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), " ".join(captured.err.replace("│", " ").split())
 
 
 def test_cli_host_and_nvme_per_machine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

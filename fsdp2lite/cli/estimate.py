@@ -10,7 +10,8 @@ One rank's peak of a steady-state training step and its composition (``fsdp2lite
 what the caching allocator reserves for it, and the step's time and tokens/s on a link and GPU
 (``estimate.timing``). With ``--budget``, the settings are searched (``estimate_search``: what to train
 and how to shard it) and the fastest that fits is reported and, with ``--write-config``, written as a
-YAML policy file with the matching ``examples/train.py`` command. ``--json`` prints one JSON object last.
+YAML policy file with the matching ``examples/train.py`` command. ``--json`` prints one JSON object on
+stdout and the text on stderr.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from ..estimate.common import default_seq, token_spec
 from ..estimate.finetune import FINETUNES, Finetune, plan_model, planned_factory
 from ..estimate.offload_budget import resolve_offload_budget
 from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime, find_gpu, find_link
-from ..finetune.lora import DEFAULT_TARGETS, targets_problem
+from ..finetune.feasible import check_finetune, finetune_problems, refusal
+from ..finetune.lora import DEFAULT_TARGETS
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, non_negative_int, positive_int
+from .estimate_job import DATA_PLACEHOLDER, one_line, shown_command, train_arguments, write_config
 from .estimate_search import (
     DEFAULT_NVME_PATH,
     SearchJob,
@@ -40,13 +43,12 @@ from .estimate_search import (
     config_for_setting,
     nearest_rows,
     search_budget,
-    search_table,
+    search_order,
     setting_time,
-    train_command,
-    write_config,
 )
+from .estimate_text import answer_lines, recommendation, search_table, wrapped
 from .explain import build_on_meta, human_bytes, load_factory, placement_text
-from .offload_text import host_rows, machine_line, machine_record, nothing_fits, offload_words
+from .offload_text import host_rows, machine_line, machine_record, nothing_fits
 from .validate import problems_table
 
 __all__ = ["communication_bytes", "nearest_rows", "parse_bytes", "run", "add_arguments"]
@@ -109,7 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--gpu", default=None, help=f"the GPU: {', '.join(GPUS)} (default h100)")
     speed.add_argument("--tflops", type=_positive_float, default=None, help="or its achieved dense BF16 TFLOP/s")
     _add_search_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout (the text answer goes to stderr)"
+    )
 
 
 def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +134,24 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"with --budget: the nvme_path a setting with optimizer state on NVMe writes (default "
         f"{DEFAULT_NVME_PATH}, a placeholder: a directory on a local NVMe drive)",
     )
-    search.add_argument("--write-config", metavar="OUT.yaml", help="with --budget: write the chosen settings")
+    search.add_argument(
+        "--write-config",
+        metavar="OUT.yaml",
+        help="with --budget: write the chosen settings and the command to run them",
+    )
+    search.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="sequences per optimizer step across the job (64): sets the written command's --grad-accum",
+    )
+    search.add_argument(
+        "--data", default=DATA_PLACEHOLDER, metavar="FILE", help="the training data the written command reads"
+    )
+    search.add_argument(
+        "--steps", type=positive_int, default=1000, metavar="N", help="the written command's optimizer steps (1000)"
+    )
     search.add_argument("--all", action="store_true", help="with --budget: every setting tried, not the nearest few")
     search.add_argument(
         "--ranks-per-node",
@@ -176,20 +197,26 @@ def run(args: argparse.Namespace) -> int:
         finetune = Finetune(args.finetune or "full", args.lora_rank, targets)
     except ValueError as exc:
         raise UsageError(f"argument --lora-targets/--lora-rank: {exc}", prog=prog) from None
-    console = Console()
+    console = Console(stderr=args.json)  # --json: stdout holds the JSON object alone, the text goes to stderr
     factory = load_factory(args.model, prog=prog)
     model = build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
     search_finetune = args.finetune is None and args.budget is not None
-    problem = targets_problem(model, finetune.targets) if finetune.adapters or search_finetune else None
-    if problem is not None and finetune.adapters:
-        raise UsageError(f"cannot plan {args.model}: --finetune {finetune.kind}: {problem}", prog=prog)
-    if problem is not None:
-        search_finetune = False  # nothing to adapt: only full training is searched
-        console.print(f"{args.model} has none of the LoRA targets ({args.lora_targets}): only full training searched")
     inputs = load_factory(args.inputs) if args.inputs else None
     loaded, config = _load_config(args, console)
     if not loaded:
         return 1
+    shard = (config or default_config(model)).mesh.resolve(args.world_size)[1]
+    if finetune.adapters:  # [Note: one feasibility rule]: what train.py checks before it builds anything
+        try:
+            check_finetune(model, finetune.kind, finetune.targets, shard)
+        except ValueError as exc:
+            raise UsageError(f"cannot plan {args.model}: {exc}", prog=prog) from None
+    excluded = _excluded_kinds(model, finetune, shard) if search_finetune else {}
+    for why in dict.fromkeys(excluded.values()):
+        for line in f"not searched: {why}".splitlines():
+            console.print(wrapped(line, console.width), soft_wrap=True)
+    if search_finetune and "lora" in excluded:
+        search_finetune = False  # nothing to adapt: only full training is searched
     common = {
         "world_size": args.world_size, "rank": args.rank, "inputs": inputs, "batch": args.batch,
         "seq": default_seq(model, args.seq) if inputs is None and _is_token_model(model) else args.seq,
@@ -207,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         base = _resolve_budget(args, console, planned_factory(factory, finetune), base, common)
     if args.budget is not None:
         job = SearchJob(
-            factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram, args.nvme_path
+            factory, args.model, common, finetune, search_finetune, link, gpu, per_node, args.host_ram, args.nvme_path,
+            excluded=tuple(excluded),
         )  # fmt: skip
         return _run_search(args, console, job, base, hardware, model)
     method = args.method or "simulate"
@@ -226,6 +254,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record))
     return 0
+
+
+def _excluded_kinds(model: Any, finetune: Finetune, shard: int) -> dict[str, str]:
+    """The fine-tuning kinds a ``--budget`` search leaves out, each with the refusal train.py would print
+    ([Note: one feasibility rule]): both adapter kinds when no target matches, qlora when its NF4 base
+    cannot be split over ``shard`` ranks."""
+    excluded = {}
+    for kind in ("lora", "qlora"):
+        problems = finetune_problems(model, kind, finetune.targets, shard)
+        if problems:
+            excluded[kind] = refusal(kind, shard, problems, model, finetune.targets)
+    if "lora" in excluded:  # the same problem (no target) for both kinds: said once
+        excluded["qlora"] = excluded["lora"] = excluded["lora"].replace("--finetune lora", "--finetune lora|qlora")
+    return excluded
 
 
 def _resolve_budget(
@@ -267,7 +309,8 @@ def _run_search(
 ) -> int:
     caches: dict[bool, dict[Any, Any]] = {False: {"model": model}}
     choice, tried = search_budget(job, base, args.budget, caches)
-    console.print(search_table(args.budget, tried, choice, show_all=args.all))
+    rows = sorted(tried, key=search_order) if args.all else nearest_rows(tried, choice)
+    console.print(search_table(args.budget, tried, rows, choice, every=args.all, width=console.width))
     record: dict[str, Any] = {"budget": {"bytes": args.budget, "host_ram": args.host_ram, "fits": choice is not None,
                                          "tried": tried}}  # fmt: skip
     if choice is None:
@@ -276,10 +319,13 @@ def _run_search(
         if args.json:
             print(json.dumps(record))
         return 1
-    console.print(recommendation(choice, hardware, args.world_size))
+    facts = {**job.common, "global_batch": args.global_batch, "hardware": hardware}
+    lines = [*recommendation(choice), *answer_lines(choice, args.budget, facts)]
     if choice["reserved_bytes"] >= choice["reserved_expandable_bytes"] * 1.05:
         grown = human_bytes(choice["reserved_expandable_bytes"])
-        console.print(f"  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: about {grown} reserved instead")
+        lines.append(f"  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: about {grown} reserved instead")
+    for number, line in enumerate(lines):
+        console.print(wrapped(line, console.width), style="bold" if number == 0 else None, soft_wrap=True)
     record["budget"]["choice"] = choice
     planned = caches[choice["finetune"] != "full"]["model"]  # the meta model the choice was planned on
     if choice.get("optimizer_state") == "nvme" and args.nvme_path == DEFAULT_NVME_PATH:
@@ -293,26 +339,22 @@ def _run_search(
     record.update({key: choice[key] for key in ("finetune", "peak_bytes", "reserved_bytes", "host_bytes_per_machine",
                                                 "tokens_per_s", "step_s")})  # fmt: skip
     if args.write_config:
-        write_config(args.write_config, base, choice, planned)
-        command = train_command(args.write_config, choice, job, args.model)
-        console.print(f"wrote {args.write_config}; run it with:\n  {command}", soft_wrap=True)
-        record["train_command"] = command
+        header = [
+            f"written by fsdp2lite estimate for {args.model} on {args.world_size} ranks, a "
+            f"{human_bytes(args.budget)} budget: {choice['finetune']}, {human_bytes(choice['reserved_bytes'])} "
+            f"reserved at the peak, about {choice['tokens_per_s']:,.0f} tokens/s"
+        ]
+        write_config(args.write_config, base, choice, planned, header)
+        run_facts = {"data": args.data, "global_batch": args.global_batch, "steps": args.steps}
+        words = train_arguments(args.write_config, choice, job, args.model, run_facts)
+        console.print(f"wrote {args.write_config}; run it with:\n  {shown_command(words)}", soft_wrap=True)
+        if args.data == DATA_PLACEHOLDER:
+            note = f"  --data {DATA_PLACEHOLDER} is a placeholder: your JSON Lines or text file (estimate's --data)"
+            console.print(wrapped(note, console.width), soft_wrap=True)
+        record["train_command"] = one_line(words)
     if args.json:
         print(json.dumps(record))
     return 0
-
-
-def recommendation(choice: dict[str, Any], hardware: str, world: int) -> str:
-    what = choice["finetune"] + (", activation checkpointing" if choice["activation_checkpointing"] else "")
-    what += ", " + offload_words(choice)
-    host, nvme = choice["host_bytes_per_machine"], choice.get("nvme_bytes_per_machine", 0)
-    on_nvme = f", NVMe {human_bytes(nvme)}" if nvme else ""
-    return (
-        f"[bold]recommended: {what}[/bold]\n  device peak {human_bytes(choice['peak_bytes'])} allocated, "
-        f"{human_bytes(choice['reserved_bytes'])} reserved; host {human_bytes(host) if host else 'nothing'}{on_nvme} "
-        f"per machine;\n  {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, {choice['step_s']:.2f} s a "
-        f"step on {hardware})"
-    )
 
 
 def speed_line(speed: StepTime, hardware: str) -> str:

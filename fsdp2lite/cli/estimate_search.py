@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from rich.table import Table
 
 from ..config import FSDPConfig, plan_config
 from ..estimate import element_size
@@ -37,7 +34,6 @@ from ..estimate.finetune import Finetune, planned_factory
 from ..estimate.offload_budget import largest_groups, offload_largest, resolve_offload_budget
 from ..estimate.timing import NVME_GB_PER_S, Gpu, Link, plan_step_time
 from ._args import UsageError
-from .explain import human_bytes
 
 OFFLOADS = (False, "optimizer", True)  # none, ZeRO-Offload (optimizer_only: masters and state on the host), full
 DEFAULT_NVME_PATH = "/local/nvme"  # a placeholder for the written config's nvme_path (--nvme-path)
@@ -55,9 +51,6 @@ FINETUNE_SEARCH: dict[str, tuple[Any, ...]] = {
 }
 FIXED = {"mixed_precision": "bf16", "reshard_after_forward": True, "forward_prefetch_depth": 1}
 SHOWN = ("finetune", *SEARCH, "offload_groups", "optimizer_state")
-HEADERS = {"mixed_precision": "precision", "reshard_after_forward": "reshard", "forward_prefetch_depth": "prefetch",
-           "activation_checkpointing": "checkpoint", "host/machine": "host/node", "nvme/machine": "nvme/node",
-           "offload_groups": "groups", "optimizer_state": "opt state"}  # fmt: skip
 
 
 @dataclass
@@ -74,6 +67,7 @@ class SearchJob:
     ranks_per_node: int
     host_ram: int
     nvme_path: str = DEFAULT_NVME_PATH  # the written config's, for optimizer state on NVMe
+    excluded: tuple[str, ...] = ()  # fine-tuning kinds the feasibility rule refused ([Note: one feasibility rule])
 
 
 def search_space(base: FSDPConfig, world_size: int, job: SearchJob) -> dict[str, tuple[Any, ...]]:
@@ -81,7 +75,8 @@ def search_space(base: FSDPConfig, world_size: int, job: SearchJob) -> dict[str,
     only for lora/qlora), with ``reshard_after_forward: k`` added for the divisor k of the shard degree
     closest to its square root from below (when there is one between 1 and the degree)."""
     if job.search_finetune:
-        return dict(FINETUNE_SEARCH)
+        kinds = tuple(kind for kind in FINETUNE_SEARCH["finetune"] if kind not in job.excluded)
+        return {**FINETUNE_SEARCH, "finetune": kinds}
     _, shard = base.mesh.resolve(world_size)
     divisors = [k for k in range(2, shard) if shard % k == 0 and k * k <= shard]
     space = {"finetune": (job.finetune.kind,), **SEARCH}
@@ -104,7 +99,7 @@ def search_budget(
         settings = {**FIXED, **dict(zip(others, values))}
         tried += _offload_rows(job, base, settings, budget, caches)
     fitting = [row for row in tried if row["fits"]]
-    choice = min(fitting, key=_order) if fitting else None
+    choice = min(fitting, key=search_order) if fitting else None
     return choice, tried
 
 
@@ -279,7 +274,7 @@ def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
     return int(total)
 
 
-def _order(row: dict[str, Any]) -> tuple[Any, ...]:
+def search_order(row: dict[str, Any]) -> tuple[Any, ...]:
     """Fastest first (to 0.1%: the model is not finer); among equals, the least offload (none, then
     optimizer_only, then full: host copies each step, host memory; some groups before all of them; the
     optimizer state in host memory before NVMe), then the smaller reserved peak."""
@@ -292,81 +287,9 @@ def nearest_rows(tried: list[dict[str, Any]], choice: dict[str, Any] | None, few
     """The chosen setting and its nearest alternatives: the next fastest fitting ones, and the fastest
     that do not fit (what a bigger budget would buy). Without a choice, the smallest reserved peaks
     (how far off the budget is)."""
-    ordered = sorted(tried, key=_order)
+    ordered = sorted(tried, key=search_order)
     if choice is None:
         return sorted(tried, key=lambda row: row["reserved_bytes"])[:few]
     fitting = [row for row in ordered if row["fits"] and row is not choice][: few - 3]
     faster = [row for row in ordered if not row["fits"] and row["tokens_per_s"] > choice["tokens_per_s"]][:2]
-    return sorted([choice, *fitting, *faster], key=_order)
-
-
-def search_table(budget: int, tried: list[dict[str, Any]], choice: dict[str, Any] | None, show_all: bool) -> Table:
-    rows = sorted(tried, key=_order) if show_all else nearest_rows(tried, choice)
-    nearest = f"the choice and its nearest alternatives ({len(tried)} tried; --all)"
-    shown = "every setting tried" if show_all else nearest
-    table = Table(title=f"settings for a budget of {human_bytes(budget)}: {shown}")
-    varied = [key for key in SHOWN if len({str(row.get(key)) for row in tried}) > 1] or ["finetune"]
-    nvme = any(row.get("nvme_bytes") for row in tried)
-    values = (*varied, "allocated", "reserved", "host/machine", *(["nvme/machine"] if nvme else []), "tokens/s", "fits")
-    for column in values:
-        header = HEADERS.get(column, column)
-        table.add_column(header, justify="left" if column in SHOWN or column == "fits" else "right")
-    for row in rows:
-        chosen = row is choice
-        host, on_nvme = row["host_bytes_per_machine"], row.get("nvme_bytes_per_machine", 0)
-        table.add_row(
-            *(str(row.get(key)).lower() for key in varied),
-            human_bytes(row["peak_bytes"]),
-            human_bytes(row["reserved_bytes"]),
-            human_bytes(host) if host else "-",
-            *([human_bytes(on_nvme) if on_nvme else "-"] if nvme else []),
-            f"{row['tokens_per_s']:,.0f}",
-            ("chosen" if chosen else "yes") if row["fits"] else _miss(row),
-            style="bold green" if chosen else ("" if row["fits"] else "dim"),
-        )
-    table.caption = (
-        "fits: reserved within the budget and host/machine (CPU offload, at the sizes pinning takes) within "
-        "--host-ram; groups: offloaded groups (all, or the fewest largest that fit)"
-    )
-    return table
-
-
-def _miss(row: dict[str, Any]) -> str:
-    """Why a row does not fit: ``no`` (the device budget), ``no (host)`` (only ``--host-ram``)."""
-    return "no (host)" if row.get("device_fits") and not row.get("host_fits") else "no"
-
-
-def write_config(path: str, base: FSDPConfig, choice: dict[str, Any], model: Any = None) -> None:
-    """The chosen setting as a policy file (read back to check it); ``model``: the meta model the choice
-    was planned on (a per-group offload finds its groups in it)."""
-    config = config_for_setting(base, choice, model)
-    text = (
-        f"# written by fsdp2lite estimate: {choice['finetune']}, {choice['reserved_bytes']:,} bytes reserved at the "
-        f"peak, about {choice['tokens_per_s']:,.0f} tokens/s\n" + config.to_yaml()
-    )
-    if choice.get("optimizer_state") == "nvme":
-        text = f"# nvme_path: {choice['nvme_path']} (--nvme-path): a directory on a local NVMe drive\n" + text
-    Path(path).write_text(text)
-    FSDPConfig.from_yaml(path)
-
-
-def train_command(path: str, choice: dict[str, Any], job: SearchJob, model_spec: str) -> str:
-    """The ``examples/train.py`` command line that runs the chosen setting."""
-    world = job.common["world_size"]
-    nodes = -(-world // job.ranks_per_node)
-    launch = f"torchrun --standalone --nproc-per-node {world}"
-    if nodes > 1:
-        launch = (
-            f"torchrun --nnodes {nodes} --nproc-per-node {job.ranks_per_node} --rdzv-backend c10d "
-            "--rdzv-endpoint HOST:29500"
-        )
-    source = f"--weights {model_spec}" if Path(model_spec).is_dir() else f"--weights PATH/TO/{model_spec}"
-    parts = [launch, "examples/train.py", f"--config {path}", source]
-    parts.append(f"--finetune {choice['finetune']}")
-    if choice["finetune"] != "full":
-        parts.append(f"--lora-rank {job.finetune.rank} --lora-targets {','.join(job.finetune.targets)}")
-    checkpointing = choice["activation_checkpointing"]
-    parts.append("--activation-checkpointing" if checkpointing else "--no-activation-checkpointing")
-    seq = job.common["seq"]  # run() resolved a token model's default
-    parts.append(f"--batch {job.common['batch']}" + (f" --seq {seq}" if seq else ""))
-    return " ".join(parts)
+    return sorted([choice, *fitting, *faster], key=search_order)

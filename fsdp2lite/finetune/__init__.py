@@ -14,11 +14,13 @@ from __future__ import annotations
 from .adapter import save_adapter
 from .checkpoint import load_trainable, save_trainable
 from .deps import INSTALL_HINT, MissingExtraError, require_libraries
-from .lora import DEFAULT_TARGETS, LoraSettings, apply_lora, init_adapters, trainable_parameters
+from .feasible import check_finetune, finetune_problems
+from .lora import ADAPTER_LR, DEFAULT_TARGETS, LoraSettings, apply_lora, init_adapters, trainable_parameters
 from .qlora import BLOCK_SIZE, SCALER_BLOCK_SIZE, load_nf4_rows, quantize_base, quantize_rows
 from .sharding import finetune_config
 
 __all__ = [
+    "ADAPTER_LR",
     "BLOCK_SIZE",
     "DEFAULT_TARGETS",
     "INSTALL_HINT",
@@ -26,7 +28,9 @@ __all__ = [
     "MissingExtraError",
     "SCALER_BLOCK_SIZE",
     "apply_lora",
+    "check_finetune",
     "finetune_config",
+    "finetune_problems",
     "init_adapters",
     "load_nf4_rows",
     "load_trainable",

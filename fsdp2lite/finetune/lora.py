@@ -15,6 +15,7 @@ from .deps import require_libraries
 # the attention and MLP projections of Llama-style decoders (Llama, Mistral, Qwen2/3, Gemma, Phi-3 split)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_RANK = 4096  # beyond any model's hidden size: a typo, not a choice
+ADAPTER_LR = 2e-4  # the learning rate LoRA and QLoRA recipes train adapters at (examples/train.py's default)
 
 
 @dataclass(frozen=True)

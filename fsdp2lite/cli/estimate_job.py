@@ -1,0 +1,97 @@
+"""``fsdp2lite estimate --budget --write-config``: the chosen setting written as a job.
+
+Two things come out ([Note: a written job]): a policy file holding only the settings that differ from
+the defaults, each with the schema's description above it (``config.minimal``), and the complete
+``examples/train.py`` command that runs it.
+
+[Note: a written job]
+The command names everything a run needs, so that pasting it is the next step: the data (``--data``,
+a placeholder unless given), the weights, the fine-tuning kind and LoRA's settings, activation
+checkpointing, the per-rank batch and sequence the estimate assumed, the gradient accumulation that
+makes ``--global-batch`` sequences per optimizer step, a learning rate for the method (``ADAPTER_LR``,
+2e-4, for LoRA and QLoRA, the rate peft's and QLoRA's recipes use; ``FULL_LR``, 2e-5, for full
+fine-tuning from weights), and restartability: ``--checkpoint-dir`` next to the policy file's name,
+``--save-every`` about every half hour at the estimated step time, and ``--resume latest`` (a first run
+starts fresh; a requeued one continues).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ..config import FSDPConfig
+from ..config.minimal import check_minimal, minimal_yaml
+from ..finetune.lora import ADAPTER_LR
+from .estimate_search import SearchJob, config_for_setting
+from .estimate_text import grad_accum
+
+FULL_LR = 2e-5  # full fine-tuning of pretrained weights (examples/train.py's own default trains from scratch)
+CHECKPOINT_EVERY_S = 1800  # --save-every aims at a checkpoint about this often
+DATA_PLACEHOLDER = "PATH/TO/train.jsonl"
+
+
+def write_config(path: str, base: FSDPConfig, choice: dict[str, Any], model: Any, header: list[str]) -> None:
+    """The chosen setting as a minimal, commented policy file (read back equal before it is kept);
+    ``model``: the meta model the choice was planned on (a per-group offload finds its groups in it)."""
+    config = config_for_setting(base, choice, model)
+    lines = [*header]
+    if choice.get("optimizer_state") == "nvme":
+        lines.append(f"nvme_path {choice['nvme_path']} (--nvme-path): a directory on a local NVMe drive")
+    text = minimal_yaml(config, [*lines, "only the settings that differ from the defaults: fsdp2lite schema lists all"])
+    check_minimal(text, config)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def train_arguments(
+    path: str, choice: dict[str, Any], job: SearchJob, model_spec: str, run: dict[str, Any]
+) -> list[str]:
+    """The ``examples/train.py`` command's words for the chosen setting ([Note: a written job]); ``run``:
+    data, global_batch."""
+    world, batch, seq = job.common["world_size"], job.common["batch"], job.common["seq"]
+    nodes = -(-world // job.ranks_per_node)
+    launch = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
+    if nodes > 1:
+        launch = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(job.ranks_per_node)]
+        launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
+    weights = model_spec if Path(model_spec).is_dir() else f"PATH/TO/{model_spec}"
+    words = [*launch, "examples/train.py", "--config", path, "--weights", weights, "--data", run["data"]]
+    kind = choice["finetune"]
+    words += ["--finetune", kind]
+    if kind != "full":
+        words += ["--lora-rank", str(job.finetune.rank), "--lora-targets", ",".join(job.finetune.targets)]
+    words.append(
+        "--activation-checkpointing" if choice["activation_checkpointing"] else "--no-activation-checkpointing"
+    )
+    accum = grad_accum(run["global_batch"], batch, world)
+    words += ["--batch", str(batch), *(["--seq", str(seq)] if seq else []), "--grad-accum", str(accum)]
+    words += ["--lr", _short(FULL_LR if kind == "full" else ADAPTER_LR), "--steps", str(run["steps"])]
+    every = max(1, round(CHECKPOINT_EVERY_S / max(choice["step_s"] * accum, 1e-9)))
+    words += ["--checkpoint-dir", f"checkpoints/{Path(path).stem}", "--save-every", str(min(every, run["steps"]))]
+    words += ["--resume", "latest"]
+    if job.common["device"] == "cpu":
+        words += ["--device", "cpu"]
+    return words
+
+
+def _short(value: float) -> str:
+    """2e-4, not 0.0002."""
+    return f"{value:.0e}".replace("e-0", "e-")
+
+
+def one_line(words: list[str]) -> str:
+    return " ".join(shlex.quote(word) for word in words)
+
+
+def shown_command(words: list[str]) -> str:
+    """The command as a person would paste it: the launcher and script on the first line, then one option
+    (with its value) per line, continued with backslashes."""
+    at = words.index("examples/train.py") + 1
+    lines = [one_line(words[:at])]
+    for word in words[at:]:
+        if word.startswith("--"):
+            lines.append(shlex.quote(word))
+        else:
+            lines[-1] += " " + shlex.quote(word)
+    return " \\\n    ".join(lines)

@@ -1,0 +1,77 @@
+"""Whether a fine-tuning job can launch at a shard degree: one rule for the planner and the runtime.
+
+[Note: one feasibility rule]
+``finetune_problems`` is the only place that decides whether ``lora`` or ``qlora`` can run on a model
+at a shard degree (the ranks each parameter is split over). ``fsdp2lite estimate`` calls it for every
+setting it searches and for a ``--finetune`` given, ``fsdp2lite explain --finetune`` and ``--write-config``
+plan only what it passed, and ``examples/train.py`` calls it on the meta model before anything is built,
+so a recommendation always launches and a refusal reads the same everywhere. It needs neither peft nor
+torchao: it reads the base model's Linear shapes (on the meta device, a 70B costs nothing).
+
+What it checks: every LoRA target names a Linear layer (``targets_problem``); for qlora, every targeted
+weight splits into ``shard`` row shards that each hold whole NF4 scale blocks (``qlora.shard_problem``:
+the rows divide by the degree and each shard's values by 64 * 256, which NF4's second quantization
+needs). Memory is the planner's part (the budget search); the mesh and policy checks are the plan's
+(``plan_config``), which every path already shares. When qlora cannot run, ``qlora_shard_degrees`` names
+the degrees where it can, so the refusal says what works instead.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .lora import targets_problem
+from .qlora import shard_problem
+
+SHOWN = 3  # problems named in a refusal; the rest are counted ("and N more like it")
+
+
+def targeted_weights(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(path, shape) of the weight of every Linear layer of the base ``model`` whose name is a target."""
+    return [
+        (f"{path}.weight", tuple(module.weight.shape))
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and path and path.rsplit(".", 1)[-1] in targets
+    ]
+
+
+def finetune_problems(model: nn.Module, kind: str, targets: tuple[str, ...], shard: int) -> list[str]:
+    """Why ``kind`` (full, lora, qlora) with LoRA ``targets`` cannot run on the base ``model`` (before
+    adapters) sharded over ``shard`` ranks: one line per problem; empty when it can."""
+    if kind == "full":
+        return []
+    problem = targets_problem(model, targets)
+    if problem is not None:
+        return [problem]
+    if kind != "qlora":
+        return []
+    weights = targeted_weights(model, targets)
+    return [found for path, shape in weights if (found := shard_problem(path, shape, shard)) is not None]
+
+
+def qlora_shard_degrees(model: nn.Module, targets: tuple[str, ...], up_to: int) -> list[int]:
+    """The shard degrees from 1 to ``up_to`` at which every targeted weight can be NF4 (by rows)."""
+    weights = targeted_weights(model, targets)
+    return [n for n in range(1, up_to + 1) if all(shard_problem(p, s, n) is None for p, s in weights)]
+
+
+def refusal(kind: str, shard: int, problems: list[str], model: nn.Module, targets: tuple[str, ...]) -> str:
+    """The one message for a job ``finetune_problems`` refused: the first few problems, the count of the
+    rest, and for qlora what would work instead."""
+    untargeted = targets_problem(model, targets) is not None
+    where = f"on {type(model).__name__}" if untargeted else f"sharded over {shard} rank{'s' if shard > 1 else ''}"
+    lines = [f"--finetune {kind} cannot run {where}:", *(f"  {problem}" for problem in problems[:SHOWN])]
+    if len(problems) > SHOWN:
+        lines.append(f"  and {len(problems) - SHOWN} more like it")
+    if kind == "qlora" and not untargeted:
+        degrees = qlora_shard_degrees(model, targets, max(2 * shard, 8))
+        where = ", ".join(str(n) for n in degrees) if degrees else "none up to " + str(max(2 * shard, 8))
+        lines.append(f"  qlora works sharded over: {where} ranks; --finetune lora (a bf16 base) works over {shard}")
+    return "\n".join(lines)
+
+
+def check_finetune(model: nn.Module, kind: str, targets: tuple[str, ...], shard: int) -> None:
+    """``finetune_problems`` as a ValueError carrying ``refusal``'s message (nothing has changed yet)."""
+    problems = finetune_problems(model, kind, targets, shard)
+    if problems:
+        raise ValueError(refusal(kind, shard, problems, model, targets))
