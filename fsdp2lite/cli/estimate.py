@@ -31,7 +31,7 @@ from ..estimate.common import default_seq, token_spec
 from ..estimate.finetune import FINETUNES, Finetune, plan_model, planned_factory
 from ..estimate.offload_budget import resolve_offload_budget
 from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime, find_gpu, find_link
-from ..finetune.feasible import check_finetune, finetune_problems, refusal
+from ..finetune.feasible import finetune_problems, refusal
 from ..finetune.lora import DEFAULT_TARGETS
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, non_negative_int, positive_int
@@ -48,6 +48,7 @@ from .estimate_search import (
 )
 from .estimate_text import answer_lines, recommendation, search_table, wrapped
 from .explain import build_on_meta, human_bytes, load_factory, placement_text
+from .finetune_args import check_feasible
 from .offload_text import host_rows, machine_line, machine_record, nothing_fits
 from .validate import problems_table
 
@@ -206,11 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if not loaded:
         return 1
     shard = (config or default_config(model)).mesh.resolve(args.world_size)[1]
-    if finetune.adapters:  # [Note: one feasibility rule]: what train.py checks before it builds anything
-        try:
-            check_finetune(model, finetune.kind, finetune.targets, shard)
-        except ValueError as exc:
-            raise UsageError(f"cannot plan {args.model}: {exc}", prog=prog) from None
+    check_feasible(model, finetune, args.model, prog, shard)  # [Note: one feasibility rule]: as train.py checks
     excluded = _excluded_kinds(model, finetune, shard) if search_finetune else {}
     for why in dict.fromkeys(excluded.values()):
         for line in f"not searched: {why}".splitlines():
@@ -266,7 +263,7 @@ def _excluded_kinds(model: Any, finetune: Finetune, shard: int) -> dict[str, str
         if problems:
             excluded[kind] = refusal(kind, shard, problems, model, finetune.targets)
     if "lora" in excluded:  # the same problem (no target) for both kinds: said once
-        excluded["qlora"] = excluded["lora"] = excluded["lora"].replace("--finetune lora", "--finetune lora|qlora")
+        excluded["qlora"] = excluded["lora"] = excluded["lora"].replace("--finetune lora:", "--finetune lora|qlora:")
     return excluded
 
 

@@ -34,7 +34,7 @@ from ..finetune.sharding import finetune_config
 from ._args import UsageError, positive_int
 from .explain_plan import Explanation, GroupRow, GroupRun, collapse_rows, explain_config, rule_classes, rule_label
 from .explain_view import placement_text, show_explanation
-from .finetune_args import add_finetune_arguments, check_targets, finetune_from_args
+from .finetune_args import add_finetune_arguments, check_feasible, check_targets, finetune_from_args
 from .model_spec import build_on_meta, load_factory
 from .validate import problems_table
 
@@ -117,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(problems_table(args.config, exc.problems))
         return 1
     try:
-        config.mesh.resolve(args.world_size)
+        shard = config.mesh.resolve(args.world_size)[1]
     except ValueError as exc:
         raise UsageError(f"argument --world-size: {exc}", _PROG) from None
+    check_feasible(model, finetune, args.model, _PROG, shard)  # [Note: one feasibility rule]: estimate's refusal
     step = {"batch": args.batch, "seq": _seq(model, args.seq, inputs), "inputs": inputs}
     plan_model(model, finetune)  # the model the job trains (full: unchanged)
     if config.offload.budget is not None:

@@ -9,6 +9,7 @@ import argparse
 import torch.nn as nn
 
 from ..estimate.finetune import FINETUNES, Finetune
+from ..finetune.feasible import check_finetune
 from ..finetune.lora import DEFAULT_TARGETS, targets_problem
 from ._args import UsageError, positive_int
 
@@ -46,3 +47,13 @@ def check_targets(model: nn.Module, finetune: Finetune, spec: str, prog: str) ->
     problem = targets_problem(model, finetune.targets) if finetune.adapters else None
     if problem is not None:
         raise UsageError(f"cannot plan {spec}: --finetune {finetune.kind}: {problem}", prog=prog)
+
+
+def check_feasible(model: nn.Module, finetune: Finetune, spec: str, prog: str, shard: int) -> None:
+    """``finetune`` on the base ``model`` sharded over ``shard`` ranks passes the one feasibility rule
+    ([Note: one feasibility rule]: NF4 row shards of whole scale blocks for qlora); otherwise the
+    ``UsageError`` estimate gives, word for word."""
+    try:
+        check_finetune(model, finetune.kind, finetune.targets, shard)
+    except ValueError as exc:
+        raise UsageError(f"cannot plan {spec}: {exc}", prog=prog) from None

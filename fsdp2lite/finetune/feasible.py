@@ -58,12 +58,13 @@ def qlora_shard_degrees(model: nn.Module, targets: tuple[str, ...], up_to: int) 
 def refusal(kind: str, shard: int, problems: list[str], model: nn.Module, targets: tuple[str, ...]) -> str:
     """The one message for a job ``finetune_problems`` refused: the first few problems, the count of the
     rest, and for qlora what would work instead."""
-    untargeted = targets_problem(model, targets) is not None
-    where = f"on {type(model).__name__}" if untargeted else f"sharded over {shard} rank{'s' if shard > 1 else ''}"
+    if targets_problem(model, targets) is not None:  # nothing to adapt: one line, whatever the kind
+        return f"--finetune {kind}: {problems[0]}"
+    where = f"sharded over {shard} rank{'s' if shard > 1 else ''}"
     lines = [f"--finetune {kind} cannot run {where}:", *(f"  {problem}" for problem in problems[:SHOWN])]
     if len(problems) > SHOWN:
         lines.append(f"  and {len(problems) - SHOWN} more like it")
-    if kind == "qlora" and not untargeted:
+    if kind == "qlora":
         degrees = qlora_shard_degrees(model, targets, max(2 * shard, 8))
         where = ", ".join(str(n) for n in degrees) if degrees else "none up to " + str(max(2 * shard, 8))
         lines.append(f"  qlora works sharded over: {where} ranks; --finetune lora (a bf16 base) works over {shard}")
