@@ -24,7 +24,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
     "llama-3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                     "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    # examples/train.py's toy preset (its --model-config llama-tiny, a random init): the planner's rehearsal
+    "llama-tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                   "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
 }  # fmt: skip
+TRAIN_PRESETS = ("llama-tiny",)  # the presets examples/train.py builds itself (--model-config NAME)
 _LLAMA3 = {"vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
 FORMS = (
     "'pkg.module:factory', a Hugging Face model directory or config.json, 'hf:ORG/NAME' (local cache only), "
@@ -63,7 +68,7 @@ def _transformers(spec: str, prog: str) -> Any:
 
 def _config(transformers: Any, spec: str, prog: str) -> Any:
     if spec in PRESETS:
-        return transformers.LlamaConfig(**_LLAMA3, **PRESETS[spec])
+        return transformers.LlamaConfig(**{**_LLAMA3, **PRESETS[spec]})
     try:
         if spec.startswith("hf:"):
             return transformers.AutoConfig.from_pretrained(spec[3:], local_files_only=True)

@@ -24,6 +24,7 @@ from typing import Any
 from ..config import FSDPConfig
 from ..config.minimal import check_minimal, minimal_yaml
 from ..finetune.lora import ADAPTER_LR
+from ._hf_models import TRAIN_PRESETS
 from .estimate_search import SearchJob, config_for_setting
 from .estimate_text import grad_accum
 
@@ -55,8 +56,7 @@ def train_arguments(
     if nodes > 1:
         launch = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(job.ranks_per_node)]
         launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
-    weights = model_spec if Path(model_spec).is_dir() else f"PATH/TO/{model_spec}"
-    words = [*launch, "examples/train.py", "--config", path, "--weights", weights, "--data", run["data"]]
+    words = [*launch, "examples/train.py", "--config", path, *model_words(model_spec), "--data", run["data"]]
     kind = choice["finetune"]
     words += ["--finetune", kind]
     if kind != "full":
@@ -73,6 +73,20 @@ def train_arguments(
     if job.common["device"] == "cpu":
         words += ["--device", "cpu"]
     return words
+
+
+def model_words(model_spec: str) -> list[str]:
+    """How train.py gets the model ``estimate --model`` named: a directory with safetensors files as
+    ``--weights``; one with only a config, or a preset train.py builds, as ``--model-config`` (a random
+    init: a rehearsal); any other preset as ``--weights PATH/TO/NAME`` (its checkpoint, to be downloaded)."""
+    path = Path(model_spec)
+    if path.is_dir():
+        return ["--weights" if any(path.glob("*.safetensors")) else "--model-config", model_spec]
+    if path.name == "config.json" and path.is_file():
+        return ["--model-config", str(path.parent)]
+    if model_spec in TRAIN_PRESETS:
+        return ["--model-config", model_spec]
+    return ["--weights", f"PATH/TO/{model_spec.removeprefix('hf:')}"]
 
 
 def _short(value: float) -> str:

@@ -32,7 +32,7 @@ from .._units import human_bytes
 from .offload_text import offload_words
 
 UNCOUNTED = "the CUDA context, NCCL's buffers and cuBLAS workspaces"  # not tensors: no estimate counts them
-TIGHT = 2**30  # headroom under this is called tight: a CUDA context alone takes several hundred MiB
+TIGHT = 2**29  # headroom under this is called tight: a CUDA context alone takes several hundred MiB
 GPU_CHECKED = ("full",)  # the kinds whose memory model was checked on a GPU (docs/estimate.md, one H100)
 HEADERS = {
     "finetune": "train",
@@ -165,6 +165,9 @@ def answer_lines(choice: dict[str, Any], budget: int, job: dict[str, Any]) -> li
         else f"no ({choice['finetune']}{'' if not choice['offload'] else ' with offload'} has not run on a GPU: "
         "these figures are the planner's model)"
     )
+    uncounted = UNCOUNTED if job["device"] == "cuda" else "the processes' own memory (Python, torch's libraries)"
+    if job["device"] != "cuda":
+        measured = "no (a CPU target: these figures are the planner's model)"
     return [
         f"  assumed: {per_rank}; a global batch of {sequences} "
         f"samples{tokens} is {accum} microbatch{'es' if accum > 1 else ''} per rank "
@@ -173,7 +176,7 @@ def answer_lines(choice: dict[str, Any], budget: int, job: dict[str, Any]) -> li
         f"at --grad-accum {accum}; {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, "
         f"{job['hardware']})",
         f"  headroom: {human_bytes(headroom)} of the {human_bytes(budget)} budget is left over the reserved peak"
-        f"{' (tight)' if headroom < TIGHT else ''}; not counted: {UNCOUNTED}, which take from it",
+        f"{' (tight)' if headroom < TIGHT else ''}; not counted: {uncounted}, which take from it",
         f"  measured on a GPU: {measured}",
     ]
 

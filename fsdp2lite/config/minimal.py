@@ -60,7 +60,11 @@ def _differing(data: dict[str, Any], default: dict[str, Any], skip: tuple[str, .
 def minimal_yaml(config: FSDPConfig, header: list[str] | None = None) -> str:
     """``minimal_data`` as YAML with a ``# description`` above each key and ``header`` lines on top."""
     body = yaml.safe_dump(minimal_data(config), sort_keys=False) if minimal_data(config) else "{}\n"
-    lines = [f"# {line}" if line else "#" for line in header or []]
+    lines = [
+        wrapped
+        for line in header or []
+        for wrapped in textwrap.wrap(line, WIDTH, initial_indent="# ", subsequent_indent="# ") or ["#"]
+    ]
     path: list[tuple[int, str]] = []  # (indent, key) of the keys enclosing the current line
     for line in body.splitlines():
         indent, key = _key_of(line)

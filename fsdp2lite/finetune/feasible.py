@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .._summary import summarized
 from .lora import targets_problem
 from .qlora import shard_problem
-
-SHOWN = 3  # problems named in a refusal; the rest are counted ("and N more like it")
 
 
 def targeted_weights(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
@@ -56,14 +55,12 @@ def qlora_shard_degrees(model: nn.Module, targets: tuple[str, ...], up_to: int) 
 
 
 def refusal(kind: str, shard: int, problems: list[str], model: nn.Module, targets: tuple[str, ...]) -> str:
-    """The one message for a job ``finetune_problems`` refused: the first few problems, the count of the
-    rest, and for qlora what would work instead."""
+    """The one message for a job ``finetune_problems`` refused: its problems, those alike but for a layer
+    index said once (``_summary.summarized``), and for qlora what would work instead."""
     if targets_problem(model, targets) is not None:  # nothing to adapt: one line, whatever the kind
         return f"--finetune {kind}: {problems[0]}"
-    where = f"sharded over {shard} rank{'s' if shard > 1 else ''}"
-    lines = [f"--finetune {kind} cannot run {where}:", *(f"  {problem}" for problem in problems[:SHOWN])]
-    if len(problems) > SHOWN:
-        lines.append(f"  and {len(problems) - SHOWN} more like it")
+    where = f"sharded over {shard} rank{'s' if shard > 1 else ''} ({len(problems)} weights)"
+    lines = [f"--finetune {kind} cannot run {where}:", *(f"  {line}" for line in summarized(problems))]
     if kind == "qlora":
         degrees = qlora_shard_degrees(model, targets, max(2 * shard, 8))
         where = ", ".join(str(n) for n in degrees) if degrees else "none up to " + str(max(2 * shard, 8))
