@@ -26,7 +26,8 @@ The steps, as the code below reads:
   3. fill it: from a local checkpoint (--weights), each rank reading only its own rows of each tensor
      (--finetune qlora: quantizing them to NF4); or from rank 0's seeded random init, with one broadcast
      per tensor (--finetune lora|qlora without --weights: every rank builds the seeded base whole)
-  4. tokenize the data and give each data-parallel rank its own part (DistributedSampler)
+  4. tokenize the data and give each data-parallel rank its own part (DistributedSampler); a .jsonl file of
+     instruction data is loss-masked and packed (fsdp2lite.finetune.data; docs/finetune.md)
   5. train: gradient accumulation, clipping, AdamW (on torch's fused CPU kernel for the parameters a
      config offloads to the host: fsdp2lite.fast_host_step; with --step-in-backward one AdamW per group,
      stepped inside backward: fsdp2lite.step_in_backward), checkpoints every --save-every steps
@@ -53,13 +54,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 import fsdp2lite as fl
 from fsdp2lite import finetune
+from fsdp2lite.finetune import data
 from fsdp2lite.models import GPT, GPTConfig
 from fsdp2lite.quiet import quiet_known_noise, refuse
 
@@ -169,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data",
         type=Path,
         default=SAMPLE_DATA,
-        help=f"a text file, or a directory of .txt files (default: {SAMPLE_DATA.relative_to(REPO)})",
+        help="a text file, a directory of .txt files, or a .jsonl file of instruction data: text, prompt/completion "
+        "or chat messages, the loss on the completions and assistant turns only (docs/finetune.md; default: "
+        f"{SAMPLE_DATA.relative_to(REPO)})",
     )
     p.add_argument("--seq", type=int, default=128, help="tokens per sample")
     p.add_argument("--batch", type=int, default=4, help="samples per microbatch per data-parallel rank")
@@ -543,29 +546,14 @@ def load_finetune_weights(model: nn.Module, args: argparse.Namespace, spec: Mode
     return report
 
 
-def lm_loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
-    """window (batch, seq + 1) token ids -> mean next-token cross-entropy."""
-    inputs, targets = window[:, :-1], window[:, 1:]
-    out = model(inputs) if isinstance(model, GPT) else model(input_ids=inputs, use_cache=False)
-    logits = out if isinstance(out, torch.Tensor) else out.logits  # (batch, seq, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 # ---- 4. data ------------------------------------------------------------------------------------------
-class TokenWindows(Dataset):
-    """Non-overlapping windows of ``seq + 1`` tokens (inputs and their next-token targets)."""
-
-    def __init__(self, tokens: torch.Tensor, seq: int) -> None:
-        self.tokens, self.seq = tokens, seq
-
-    def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.seq)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.tokens[index * self.seq : index * self.seq + self.seq + 1]
-
-
 def text_files(path: Path) -> list[Path]:
+    """--data's files: itself (a text or .jsonl file), or a directory's .txt files."""
+    if path.suffix == ".json":  # would otherwise be trained on as raw text
+        raise UsageError(
+            f"--data {path}: instruction data is read from JSON Lines, one example object per line, in a .jsonl "
+            "file (the formats: docs/finetune.md); rename it if it is one"
+        )
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -603,21 +591,7 @@ def has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
-def tokenize(files: list[Path], tokenizer: Any) -> torch.Tensor:
-    """All files as one stream of token ids ``(num_tokens,)``; with a tokenizer, each file ends with EOS."""
-    pieces = []
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if tokenizer is None:
-            pieces.append(torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long())
-            continue
-        lines = tokenizer(text.splitlines(keepends=True), add_special_tokens=False)["input_ids"]
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        pieces.append(torch.tensor([i for line in lines for i in line] + eos, dtype=torch.long))
-    return torch.cat(pieces)
-
-
-def rank_batches(dataset: TokenWindows, job: Job, batch: int, seed: int, start: int) -> Iterator[torch.Tensor]:
+def rank_batches(dataset: data.Windows, job: Job, batch: int, seed: int, start: int) -> Iterator[torch.Tensor]:
     """This rank's batches, epoch after epoch, from ``start`` samples in. Every rank shuffles the windows
     the same way (``seed + epoch``) and takes every world_size-th one: DistributedSampler's split."""
     sampler: DistributedSampler[int] = DistributedSampler(
@@ -625,13 +599,13 @@ def rank_batches(dataset: TokenWindows, job: Job, batch: int, seed: int, start: 
     )
     if len(sampler) < batch:
         raise UsageError(
-            f"--data holds {len(dataset)} samples of {dataset.seq + 1} tokens, {len(sampler)} per rank at world size "
-            f"{job.world_size}, fewer than --batch {batch}: use more text, a smaller --seq or a smaller --batch"
+            f"--data holds {len(dataset)} samples (windows of --seq {dataset.seq}), {len(sampler)} per rank at world "
+            f"size {job.world_size}, fewer than --batch {batch}: use more data, a smaller --seq or a smaller --batch"
         )
     return _batches(dataset, sampler, batch, start)
 
 
-def _batches(dataset: TokenWindows, sampler: DistributedSampler[int], batch: int, start: int) -> Iterator[torch.Tensor]:
+def _batches(dataset: data.Windows, sampler: DistributedSampler[int], batch: int, start: int) -> Iterator[torch.Tensor]:
     epoch, skip = divmod(start, len(sampler))
     pending: list[int] = []
     while True:
@@ -639,7 +613,7 @@ def _batches(dataset: TokenWindows, sampler: DistributedSampler[int], batch: int
         for index in list(sampler)[skip:]:
             pending.append(index)
             if len(pending) == batch:
-                yield torch.stack([dataset[i] for i in pending])  # (batch, seq + 1)
+                yield torch.stack([dataset[i] for i in pending])  # text (batch, seq + 1); .jsonl (batch, 3, seq)
                 pending = []
         epoch, skip = epoch + 1, 0
 
@@ -655,7 +629,8 @@ class Run:
     config_path: Path
     spec: ModelSpec
     tokenizer: str
-    dataset: TokenWindows
+    dataset: data.Windows
+    loss: data.WindowLoss | data.TokenMeanLoss  # the data's loss (data.step_loss)
     model: nn.Module
     optimizers: list[torch.optim.Optimizer]  # one; --step-in-backward: one per group, stepped inside backward
     in_backward: bool  # --step-in-backward
@@ -731,7 +706,10 @@ def prepare(args: argparse.Namespace, job: Job) -> Run:
     optimizers = make_optimizers(args, model, config)  # all the parameters, or the adapters
     bytes_read: list[int | None] = [None] * job.world_size  # each rank's bytes of --weights read
     dist.all_gather_object(bytes_read, weights.bytes_read if weights is not None else None)
-    run = Run(config_path, spec, tokenizer, dataset, model, optimizers, args.step_in_backward, resume, 0, 0, bytes_read)
+    loss = data.step_loss(dataset, job.world_size)
+    run = Run(
+        config_path, spec, tokenizer, dataset, loss, model, optimizers, args.step_in_backward, resume, 0, 0, bytes_read
+    )
     if resume is not None:
         if args.finetune != "full":  # adapters + their optimizer; --step-in-backward: --finetune full only
             on_every_rank(job, f"loading {resume}", lambda: finetune.load_trainable(resume, model, optimizers[0]))
@@ -775,13 +753,22 @@ def read_inputs(args: argparse.Namespace, config_path: Path) -> tuple[Any, ...]:
         )
     resume = find_resume(args)
     tokenizer, label = load_tokenizer(args, spec)
-    tokens = tokenize(files, tokenizer)
-    if len(tokens) and int(tokens.max()) >= spec.vocab_size:
+    dataset = read_data(args, files, tokenizer, label)
+    if dataset.max_token_id >= spec.vocab_size:
         raise UsageError(
-            f"the {label} tokenizer makes token ids up to {int(tokens.max())} but the model's vocab_size is "
+            f"the {label} tokenizer makes token ids up to {dataset.max_token_id} but the model's vocab_size is "
             f"{spec.vocab_size}: pick a tokenizer and a model that agree"
         )
-    return config, spec, resume, label, TokenWindows(tokens, args.seq)
+    return config, spec, resume, label, dataset
+
+
+def read_data(args: argparse.Namespace, files: list[Path], tokenizer: Any, label: str) -> data.Windows:
+    """--data as training windows: a .jsonl file's examples loss-masked and packed (fsdp2lite.finetune.data;
+    a DataError names every bad line), text as one token stream cut into windows."""
+    if args.data.suffix == ".jsonl" and args.data.is_file():
+        name = "the bytes tokenizer" if label == "bytes" else f"the tokenizer {label}"
+        return data.load_jsonl(args.data, tokenizer, args.seq, tokenizer_name=name, length_name="--seq")
+    return data.TokenWindows(data.tokenize_text(files, tokenizer), args.seq)
 
 
 def find_resume(args: argparse.Namespace) -> Path | None:
@@ -834,15 +821,19 @@ def train_step(
     run: Run, batches: Iterator[torch.Tensor], step: int, args: argparse.Namespace, job: Job
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over --grad-accum microbatches; returns (this rank's loss, the gradient norm: None with
-    --step-in-backward, whose groups stepped inside the last microbatch's backward)."""
+    --step-in-backward, whose groups stepped inside the last microbatch's backward). The loss is the data's
+    (``data.step_loss``): text windows' per-microbatch means averaged, or packed instruction data's mean over the
+    global batch's trained tokens."""
     for optimizer in run.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
     torch.manual_seed(args.seed + 1 + step * job.world_size + job.rank)  # dropout draws: the same after a resume
     loss_sum = torch.zeros((), device=job.device)
-    for micro in range(args.grad_accum):
+    micro_batches = [next(batches).to(job.device, non_blocking=True) for _ in range(args.grad_accum)]
+    num_items = run.loss.count(micro_batches)  # what the step's loss is divided by
+    for micro, batch in enumerate(micro_batches):
         run.model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # type: ignore[operator]  # reduce once
-        loss = lm_loss(run.model, next(batches).to(job.device, non_blocking=True)) / args.grad_accum
+        loss = run.loss(run.model, batch, num_items)
         loss.backward()
         loss_sum += loss.detach()
     run.tokens_seen += global_batch(args, job) * args.seq
@@ -909,8 +900,7 @@ class Report:
             "params": params,
             "config": str(run.config_path),
             "tokenizer": run.tokenizer,
-            "corpus_tokens": len(run.dataset.tokens),
-            "samples": len(run.dataset),
+            **run.dataset.record(),
             "world_size": job.world_size,
             "backend": job.backend,
             "device": job.device.type,

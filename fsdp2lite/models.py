@@ -30,11 +30,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (batch, seq, d_model); mask (batch, 1, seq, seq) bool, True where a query may attend (None: causal)."""
         batch, seq, d_model = x.shape
         q, k, v = self.qkv(x).split(d_model, dim=-1)  # each (batch, seq, d_model)
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (batch, heads, seq, head_dim)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (batch, heads, seq, head_dim)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
 
 
@@ -50,8 +54,8 @@ class Block(nn.Module):
             nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -82,17 +86,33 @@ class GPT(nn.Module):
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab). ``position_ids`` (batch, seq), as Hugging Face
+        models take them: packed sequences, each restarting at 0, attend only within themselves
+        (``packed_sequence_mask``); None: one sequence, positions 0 .. seq - 1."""
+        if position_ids is None:
+            positions, mask = torch.arange(tokens.shape[1], device=tokens.device), None
+        else:
+            positions, mask = position_ids, packed_sequence_mask(position_ids)
         h = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
-            h = block(h)
+            h = block(h) if mask is None else block(h, mask)
         return self.head(self.norm(h))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def packed_sequence_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids (batch, seq) -> (batch, 1, seq, seq) bool: causal, and only within a sequence. A position
+    that does not follow the one before (not previous + 1) starts a sequence, as transformers'
+    ``find_packed_sequence_indices`` reads them: [0 1 2 0 1] is two sequences, of 3 and 2 tokens."""
+    starts = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1) != 1
+    sequence = starts.cumsum(-1)  # (batch, seq): which packed sequence each token is in
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
 
 
 def shard_gpt(model: GPT, mesh: object | None = None, **kwargs: object) -> GPT:
