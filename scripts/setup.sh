@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Make the virtual environments named (default: both), each with fsdp2lite[dev] installed editable:
-#   .venv         torch==2.13.0 (the CPU build): the demo, and the whole test suite;
-#   .venv-oldest  torch==2.11.0, pyproject's floor (torch>=2.11): the fast part of the suite (scripts/test.sh).
+# Make the virtual environments named (default: .venv, the one a user needs), each with fsdp2lite[dev] installed
+# editable:
+#   .venv         torch==2.13.0 (the CPU build): the demo, your jobs, and the whole test suite;
+#   .venv-oldest  torch==2.11.0, pyproject's floor (torch>=2.11), PyPI's CUDA build (about 4.7 GB; the tests hide
+#                 CUDA from it): only the fast part of the suite uses it, and scripts/test.sh makes it.
 # Usage: bash scripts/setup.sh [.venv] [.venv-oldest]
 # Safe to re-run: a stamp file in each skips its installs when nothing they depend on changed.
 set -euo pipefail
@@ -32,7 +34,7 @@ if [ "$oldest" != "$floor" ] && [ "$oldest" != "$floor.0" ]; then
 fi
 
 venvs=("$@")
-[ "$#" -gt 0 ] || venvs=(.venv .venv-oldest)
+[ "$#" -gt 0 ] || venvs=(.venv)
 for venv in "${venvs[@]}"; do
   case $venv in
     .venv) make_venv .venv 2.13.0 ;;

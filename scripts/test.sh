@@ -5,7 +5,7 @@
 # second run (PyPI's torch 2.11 is a CUDA build). Arguments go to both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh .venv .venv-oldest  # the second environment only the tests use
 status=0
 echo "== torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') (.venv)"
 .venv/bin/python -m pytest -q "$@" || status=$?

@@ -68,8 +68,8 @@ def test_the_written_job_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     captured = capsys.readouterr()
     record = json.loads(captured.out)
     words = shlex.split(record["train_command"])
-    assert words[:5] == ["torchrun", "--standalone", "--nproc-per-node", "2", "examples/train.py"]
-    args = _train_module().parse_args(words[5:])
+    assert words[:6] == ["OMP_NUM_THREADS=1", "torchrun", "--standalone", "--nproc-per-node", "2", "examples/train.py"]
+    args = _train_module().parse_args(words[6:])
     assert (args.config, args.model_config, args.weights, args.data) == (out, "llama-tiny", None, Path("chat.jsonl"))
     assert (args.finetune, args.lr, args.batch, args.seq, args.grad_accum) == ("lora", 2e-4, 2, 64, 4)  # 16 / (2 x 2)
     assert (args.steps, args.checkpoint_dir, args.resume, args.device) == (30, Path("checkpoints/toy"), "latest", "cpu")
@@ -144,3 +144,37 @@ def test_the_70b_answer_in_the_docs_is_what_the_command_prints(
     assert all(len(line) <= 80 for line in printed.splitlines()) and "…" not in printed
     assert [line.rstrip() for line in printed.splitlines()] == block.splitlines()[1:]
     assert (tmp_path / "qlora70b.yaml").read_text() == _docs_block("The policy file it writes")
+
+
+def test_from_the_planner_to_a_trained_adapter_with_the_printed_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """issue 44's walk, at toy scale on 2 CPU ranks: estimate writes the job for the bundled chat data, the
+    printed command (as it is, from a directory holding examples/) trains and saves an adapter peft loads, and
+    the run prints no other package's warning."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
+    import subprocess
+
+    from _cpu_env import cpu_env
+    from test_example_train import foreign_lines
+
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    argv = ["estimate", "--model", "llama-tiny", "--world-size", "2", "--device", "cpu", "--budget", "1GiB"]
+    argv += ["--finetune", "lora", "--seq", "128", "--batch", "4", "--global-batch", "16", "--steps", "6"]
+    argv += ["--data", "examples/data/chat.jsonl", "--tokenizer", "examples/data/chat-tokenizer"]
+    argv += ["--write-config", str(tmp_path / "toy.yaml"), "--json"]
+    assert main(argv) == 0
+    words = shlex.split(json.loads(capsys.readouterr().out)["train_command"])
+    assert words[0] == "OMP_NUM_THREADS=1" and words[1] == "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", *words[2:]]
+    env = cpu_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert foreign_lines(done.stderr) == [] and "Warning" not in done.stderr, done.stderr
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["formats"] == {"messages": 400} and record["steps"] == 6
+    adapter = tmp_path / "checkpoints" / "toy" / "step-0000006" / "adapter"
+    train = _train_module()
+    base = train.new_model(train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])))
+    loaded = peft.PeftModel.from_pretrained(base, str(adapter))
+    assert any("lora_A" in name for name, _ in loaded.named_parameters())

@@ -151,6 +151,9 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", default=DATA_PLACEHOLDER, metavar="FILE", help="the training data the written command reads"
     )
     search.add_argument(
+        "--tokenizer", metavar="DIR", help="the tokenizer the written command names (chat data needs its template)"
+    )
+    search.add_argument(
         "--steps", type=positive_int, default=1000, metavar="N", help="the written command's optimizer steps (1000)"
     )
     search.add_argument("--all", action="store_true", help="with --budget: every setting tried, not the nearest few")
@@ -342,7 +345,8 @@ def _run_search(
             f"reserved at the peak, about {choice['tokens_per_s']:,.0f} tokens/s"
         ]
         write_config(args.write_config, base, choice, planned, header)
-        run_facts = {"data": args.data, "global_batch": args.global_batch, "steps": args.steps}
+        run_facts = {"data": args.data, "tokenizer": args.tokenizer, "global_batch": args.global_batch}
+        run_facts["steps"] = args.steps
         words = train_arguments(args.write_config, choice, job, args.model, run_facts)
         console.print(f"wrote {args.write_config}; run it with:\n  {shown_command(words)}", soft_wrap=True)
         if args.data == DATA_PLACEHOLDER:

@@ -31,6 +31,7 @@ from .estimate_text import grad_accum
 FULL_LR = 2e-5  # full fine-tuning of pretrained weights (examples/train.py's own default trains from scratch)
 CHECKPOINT_EVERY_S = 1800  # --save-every aims at a checkpoint about this often
 DATA_PLACEHOLDER = "PATH/TO/train.jsonl"
+THREADS = "OMP_NUM_THREADS=1"  # torchrun's own default, said: torchrun warns once per job when it sets it itself
 
 
 def write_config(path: str, base: FSDPConfig, choice: dict[str, Any], model: Any, header: list[str]) -> None:
@@ -49,14 +50,16 @@ def train_arguments(
     path: str, choice: dict[str, Any], job: SearchJob, model_spec: str, run: dict[str, Any]
 ) -> list[str]:
     """The ``examples/train.py`` command's words for the chosen setting ([Note: a written job]); ``run``:
-    data, global_batch."""
+    data, tokenizer (or None), global_batch, steps."""
     world, batch, seq = job.common["world_size"], job.common["batch"], job.common["seq"]
     nodes = -(-world // job.ranks_per_node)
-    launch = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
+    launch = [THREADS, "torchrun", "--standalone", "--nproc-per-node", str(world)]
     if nodes > 1:
-        launch = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(job.ranks_per_node)]
+        launch = [THREADS, "torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(job.ranks_per_node)]
         launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
     words = [*launch, "examples/train.py", "--config", path, *model_words(model_spec), "--data", run["data"]]
+    if run.get("tokenizer"):
+        words += ["--tokenizer", run["tokenizer"]]
     kind = choice["finetune"]
     words += ["--finetune", kind]
     if kind != "full":
@@ -95,7 +98,7 @@ def _short(value: float) -> str:
 
 
 def one_line(words: list[str]) -> str:
-    return " ".join(shlex.quote(word) for word in words)
+    return " ".join(word if word == THREADS else shlex.quote(word) for word in words)
 
 
 def shown_command(words: list[str]) -> str:
