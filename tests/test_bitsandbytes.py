@@ -1,10 +1,11 @@
 """bitsandbytes 4-bit weights sharded through the all-gather extension hooks (issue 44 item 6 (c);
 fsdp2lite/integrations/bitsandbytes.py). A QLoRA-shaped model (frozen Linear4bit bases, trainable low-rank
-adapters) on 2 gloo ranks: made shardable, each rank holds exactly half of the 4-bit codes and the losses,
-adapter grads and values equal the replicated run's (the 4-bit weights in ``ignored_params``, as Accelerate
-leaves them) bit for bit; the full state dict gives the codes back. Across train/eval switches and a
-forward that rewrites the gathered weight in place (bitsandbytes' CPU repacking), every forward stays
-right. Bad input: a trainable 4-bit weight is refused, naming it, with nothing changed.
+adapters) in uint8 and bf16 storage, made shardable, on 2 gloo ranks (and 3, rows not dividing): each rank
+holds exactly its rows of the 4-bit codes (half on 2 ranks), and the losses, adapter grads and values equal
+the replicated run's (the 4-bit weights in ``ignored_params``, as Accelerate leaves them) bit for bit; the
+full state dict gives the codes back. Across train/eval switches and a forward that rewrites the gathered
+weight in place (bitsandbytes' CPU repacking), every forward stays right. Accelerate's preparation keeps its
+rules for 4-bit models. Bad input: a trainable 4-bit weight is refused, naming it, with nothing changed.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def check_sharded_equals_replicated(rank: int, world_size: int) -> None:
         _shard(replicated, replicated=True)
         whole = sum(c.nbytes for c in codes.values())  # 2 blocks * 64 * 64 / 2 = 4,096 bytes
         assert whole == 4096 and _codes_bytes(replicated) == (whole, whole)
-        assert _codes_bytes(sharded) == (whole // 2, whole), _codes_bytes(sharded)  # half the codes each
+        # this rank's rows of each weight, as torch.chunk splits them: half on 2 ranks; 683, 683, 682 of 2,048 on 3
+        mine = sum(c[:, 0].chunk(world_size)[rank].nbytes for c in codes.values())
+        assert _codes_bytes(sharded) == (mine, whole) and (world_size != 2 or mine == whole // 2), _codes_bytes(sharded)
         assert type(sharded[0].base.weight.to_local()) is Bnb4bitWeight
         assert not sharded[0].base.support_avx512bf16_for_cpu  # [Note: bitsandbytes' CPU repacking]
         losses = _train(sharded, range(3), rank)
@@ -153,6 +156,12 @@ def test_bitsandbytes_4bit_sharded_world2() -> None:
     spawn_checks(2, check_sharded_equals_replicated, check_train_eval_switches, check_a_rewritten_gather_is_put_back)
 
 
+def test_bitsandbytes_4bit_sharded_unevenly_world3() -> None:
+    """3 ranks: rows that do not divide (no block alignment is needed: the quantization state is whole)."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install bitsandbytes")
+    spawn_checks(3, check_sharded_equals_replicated)
+
+
 def test_trainable_4bit_weight_refused_with_nothing_changed() -> None:
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install bitsandbytes")
     from fsdp2lite.integrations.bitsandbytes import make_4bit_shardable
@@ -166,3 +175,48 @@ def test_trainable_4bit_weight_refused_with_nothing_changed() -> None:
     assert "0.base.weight" not in str(info.value)  # the good one is not named
     assert all(p is before[name] for name, p in model.named_parameters())  # all or nothing
     assert model[0].base.support_avx512bf16_for_cpu == repacking
+
+
+class _Plugin:
+    cpu_ram_efficient_loading = True
+
+
+class _Accelerator:
+    mixed_precision = "bf16"
+
+    def __init__(self) -> None:
+        self.state = type("State", (), {"fsdp_plugin": _Plugin()})()
+
+
+def test_accelerate_preparation_keeps_its_4bit_rules() -> None:
+    """install()'s preparation: 4-bit weights made shardable before Accelerate's own, which still reads the
+    model as a 4-bit one (mixed precision "no" for its fp32-upcast check, cpu_ram_efficient_loading off), the
+    plugin's setting put back after; a model without 4-bit weights gets the accelerator as it is."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install bitsandbytes")
+    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -e '.[dev]'")
+    from fsdp2lite.integrations.accelerate import prepare_4bit_too
+    from fsdp2lite.integrations.bitsandbytes import Bnb4bitWeight
+
+    seen: list[tuple[Any, ...]] = []
+
+    def prepare(accelerator: Any, model: nn.Module) -> nn.Module:
+        weight = model[0].base.weight if isinstance(model, nn.Sequential) else None
+        seen.append((accelerator.mixed_precision, accelerator.state.fsdp_plugin.cpu_ram_efficient_loading, weight))
+        return model
+
+    accelerator = _Accelerator()
+    prepare_4bit_too(prepare, accelerator, _model())
+    assert seen[0][:2] == ("no", False) and type(seen[0][2]) is Bnb4bitWeight
+    assert accelerator.state.fsdp_plugin.cpu_ram_efficient_loading  # put back
+    prepare_4bit_too(prepare, accelerator, nn.Linear(2, 2))
+    assert seen[1] == ("bf16", True, None)
+
+
+def test_enable_fsdp_on_cpu_refuses_what_is_not_a_plugin() -> None:
+    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -e '.[dev]'")
+    from fsdp2lite.integrations.accelerate import enable_fsdp_on_cpu
+
+    accelerator = _Accelerator()
+    with pytest.raises(TypeError, match="a FullyShardedDataParallelPlugin or a dict of its arguments, got str"):
+        enable_fsdp_on_cpu(accelerator, "full_shard")
+    assert not hasattr(accelerator.state, "distributed_type")  # nothing set

@@ -23,8 +23,8 @@ them on 2 ranks), and its all-gather hooks rebuild the weight bitsandbytes expec
     all-gather            -> the whole weight's codes, (world * padded_rows, 1)
     fsdp_post_all_gather  -> a ``Gathered4bit`` on those codes, carrying a copy of the whole QuantState
 
-The quantization state is small (one absmax per 64 values: 1/32 of the codes in fp32; double quantization
-shrinks it further) and stays whole on every rank: a rank's rows need not hold whole blocks, so any world
+The quantization state is small (one absmax per 64 values: 1/8 of the codes' bytes in fp32, 1/32 with
+double quantization) and stays whole on every rank: a rank's rows need not hold whole blocks, so any world
 size shards any weight. The codes are never cast: the hooks ignore ``param_dtype``, so a bf16 or fp32
 mixed-precision policy cannot reinterpret them (a 4-bit weight in bf16 storage sharded as a plain bf16
 parameter would be cast under ``param_dtype=float32``).
