@@ -6,7 +6,9 @@
 
 The launcher calls ``fl.patch()`` first, so torch's FSDP2 names (``fully_shard``, ``FSDPModule``, the
 policies, ...) resolve to fsdp2lite's in every module the script imports afterwards (the HF Trainer
-through Accelerate, Lightning, TRL: fsdp2lite/integrations/patch.py), then runs the script as
+through Accelerate, Lightning, TRL: fsdp2lite/integrations/patch.py); where Accelerate is installed,
+through ``fsdp2lite.integrations.accelerate.install()``, which also shards bitsandbytes 4-bit bases
+(fsdp2lite/integrations/bitsandbytes.py). It then runs the script as
 ``__main__`` with its own arguments, the way ``python SCRIPT`` would: ``sys.argv`` is ``[SCRIPT,
 ARGS...]`` and ``sys.path[0]`` the script's directory (the current directory for ``-m``).
 
@@ -121,9 +123,15 @@ def check_module(name: str) -> None:
 
 
 def patch_torch(verbose: bool) -> None:
-    from .integrations.patch import patch
+    # before the script's imports: modules imported later read the rebound names
+    if importlib.util.find_spec("accelerate") is not None:  # and Accelerate's preparation: 4-bit bases sharded too
+        from .integrations.accelerate import install
 
-    report = patch()  # before the script's imports: modules imported later read the rebound names
+        report = install()
+    else:
+        from .integrations.patch import patch
+
+        report = patch()
     if verbose:
         print(report, file=sys.stderr)
 

@@ -97,9 +97,8 @@ def run_transformers(impl: str, out: Path, model_dir: str) -> dict[str, Any]:
 # ---- Accelerate: its FSDP2 preparation, driven on CPU --------------------------------------------
 def run_accelerate(impl: str, out: Path, model_dir: str) -> dict[str, Any]:
     """Accelerate runs FSDP only on accelerators (on CPU it falls back to DDP), so on CPU its state is set
-    to FSDP by hand after construction; ``prepare`` and ``backward`` are Accelerate's own. Its
-    ``save_state`` fails in that forced CPU state with torch's fully_shard too (its safetensors path reads
-    DTensor storage), so the checkpoint is DCP, as in the transformers run."""
+    to FSDP after construction (``enable_fsdp_on_cpu``); ``prepare`` and ``backward`` are Accelerate's
+    own. The checkpoint is DCP, as in the transformers run."""
     if impl.startswith("fsdp2lite") and impl != "fsdp2lite-config":
         from fsdp2lite.integrations import accelerate as fl_accelerate
 
@@ -109,8 +108,10 @@ def run_accelerate(impl: str, out: Path, model_dir: str) -> dict[str, Any]:
 
         fl_accelerate.install(out.parent.parent / "llama_blocks.yaml")
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
+
+    from fsdp2lite.integrations.accelerate import enable_fsdp_on_cpu
 
     bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.float32}
     bf16 = bf16 if impl.endswith("-bf16") else None  # Accelerate wants all three keys
@@ -119,8 +120,7 @@ def run_accelerate(impl: str, out: Path, model_dir: str) -> dict[str, Any]:
         mixed_precision_policy=bf16,
     )  # fmt: skip
     accelerator = Accelerator(cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP  # Accelerate enables FSDP on accelerators only
-    accelerator.state.fsdp_plugin = plugin
+    enable_fsdp_on_cpu(accelerator, plugin)  # Accelerate enables FSDP on accelerators only
 
     def prepared() -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

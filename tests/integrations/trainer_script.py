@@ -6,12 +6,9 @@
 
 The arguments are the Trainer's own (``HfArgumentParser``), plus ``--out`` (where each rank writes
 rank{r}.json: the losses, what the model became, how the script was run) and ``--lora`` (peft's LoRA
-adapters on the attention and MLP projections, the base frozen). The script never imports fsdp2lite:
-run plainly it shards with torch's ``fully_shard``; under ``python -m fsdp2lite.run`` with fsdp2lite's.
-
-The one test-only line: Accelerate runs FSDP on accelerators only (on CPU it falls back to DDP), so a
-Trainer whose arguments ask for FSDP is put into FSDP mode by hand after its Accelerator is built, as
-tests/integrations/tool_runs.py does for Accelerate itself.
+adapters on the attention and MLP projections, the base frozen). Run plainly it shards with torch's
+``fully_shard``; under ``python -m fsdp2lite.run`` with fsdp2lite's. The one test-only part: FSDP on CPU
+ranks (tests/integrations/cpu_fsdp.py, which only sets Accelerate's state).
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cpu_fsdp import CpuFsdpMixin
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Trainer, TrainingArguments
 
 
@@ -33,15 +31,8 @@ class ScriptArguments:
     lora: bool = field(default=False, metadata={"help": "train peft LoRA adapters on a frozen base"})
 
 
-class CpuFsdpTrainer(Trainer):
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:  # CPU: force FSDP mode
-            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            self.is_fsdp_enabled = True
+class CpuFsdpTrainer(CpuFsdpMixin, Trainer):
+    pass
 
 
 def tiny_llama() -> Any:

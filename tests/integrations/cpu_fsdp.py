@@ -1,0 +1,23 @@
+"""The one test-only part of the Trainer scripts here: FSDP on CPU ranks.
+
+Accelerate runs FSDP on accelerators only (on CPU it drops the plugin and the Trainer wraps the model in
+DDP), so a Trainer whose arguments ask for FSDP is put into FSDP mode after its Accelerator is built, by
+``fsdp2lite.integrations.accelerate.enable_fsdp_on_cpu`` ([Note: FSDP on CPU ranks] there). It only sets
+Accelerate's state: the script still shards with torch's ``fully_shard`` when run plainly, and with
+fsdp2lite's under ``python -m fsdp2lite.run``.
+"""
+
+from __future__ import annotations
+
+from fsdp2lite.integrations.accelerate import enable_fsdp_on_cpu
+
+
+class CpuFsdpMixin:
+    """Mixed into a Trainer class (``class T(CpuFsdpMixin, SFTTrainer)``): FSDP as its arguments ask."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        args = self.args  # type: ignore[attr-defined]
+        if args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:  # type: ignore[has-type]
+            enable_fsdp_on_cpu(self.accelerator, args.fsdp_plugin_args)  # type: ignore[attr-defined]
+            self.is_fsdp_enabled = True
