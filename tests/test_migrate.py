@@ -440,7 +440,7 @@ def test_no_layer_class_and_no_model_wraps_the_known_decoder_layers(
     assert "# note: no --model" in out.read_text() and main(["validate", str(out)]) == 0
     monkeypatch.setenv("COLUMNS", "400")
     capsys.readouterr()
-    assert main(["explain", str(out), "--model", str(llama_dir), "--world-size", "2"]) == 0
+    assert main(["explain", str(out), "--model", str(llama_dir), "--world-size", "2", "--all"]) == 0  # every group
     shown = capsys.readouterr().out
     assert all(f"model.layers.{i}  wrap[0]" in shown for i in range(3)) and "in 4 groups" in shown
     assert "large modules left in the root" not in shown

@@ -211,12 +211,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     shard = (config or default_config(model)).mesh.resolve(args.world_size)[1]
     check_feasible(model, finetune, args.model, prog, shard)  # [Note: one feasibility rule]: as train.py checks
-    excluded = _excluded_kinds(model, finetune, shard) if search_finetune else {}
-    for why in dict.fromkeys(excluded.values()):
-        for line in f"not searched: {why}".splitlines():
-            console.print(wrapped(line, console.width), soft_wrap=True)
-    if search_finetune and "lora" in excluded:
-        search_finetune = False  # nothing to adapt: only full training is searched
+    excluded = _excluded_kinds(model, finetune, shard, console) if search_finetune else {}
+    search_finetune = search_finetune and "lora" not in excluded  # nothing to adapt: only full training searched
     common = {
         "world_size": args.world_size, "rank": args.rank, "inputs": inputs, "batch": args.batch,
         "seq": default_seq(model, args.seq) if inputs is None and _is_token_model(model) else args.seq,
@@ -256,10 +252,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _excluded_kinds(model: Any, finetune: Finetune, shard: int) -> dict[str, str]:
+def _excluded_kinds(model: Any, finetune: Finetune, shard: int, console: Console) -> dict[str, str]:
     """The fine-tuning kinds a ``--budget`` search leaves out, each with the refusal train.py would print
-    ([Note: one feasibility rule]): both adapter kinds when no target matches, qlora when its NF4 base
-    cannot be split over ``shard`` ranks."""
+    ([Note: one feasibility rule]; printed once each): both adapter kinds when no target matches, qlora
+    when its NF4 base cannot be split over ``shard`` ranks."""
     excluded = {}
     for kind in ("lora", "qlora"):
         problems = finetune_problems(model, kind, finetune.targets, shard)
@@ -267,6 +263,9 @@ def _excluded_kinds(model: Any, finetune: Finetune, shard: int) -> dict[str, str
             excluded[kind] = refusal(kind, shard, problems, model, finetune.targets)
     if "lora" in excluded:  # the same problem (no target) for both kinds: said once
         excluded["qlora"] = excluded["lora"] = excluded["lora"].replace("--finetune lora:", "--finetune lora|qlora:")
+    for why in dict.fromkeys(excluded.values()):
+        for line in f"not searched: {why}".splitlines():
+            console.print(wrapped(line, console.width), soft_wrap=True)
     return excluded
 
 
