@@ -97,7 +97,7 @@ def test_presets_are_the_published_shapes() -> None:
     with torch.device("meta"):
         small = hf_factory("llama-3.2-1b", "test")()
     assert sum(p.numel() for p in small.parameters()) == 1_235_814_400  # Llama-3.2-1B (tied embeddings)
-    assert set(PRESETS) == {"llama-3.2-1b", "llama-3-8b", "llama-3-70b"}
+    assert set(PRESETS) == {"llama-3.2-1b", "llama-3-8b", "llama-3-70b", "llama-tiny"}  # and train.py's toy
 
 
 @pytest.mark.parametrize(

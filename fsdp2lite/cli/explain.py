@@ -153,9 +153,15 @@ def _peak(
     """The peak of one step of the job, as ``fsdp2lite estimate --method analytic`` computes it."""
     try:
         return estimate_memory(
-            factory, config, world_size=args.world_size, method="analytic", optimizer=_OPTIMIZER, device=_DEVICE,
-            finetune=finetune, **step,
-        )  # fmt: skip
+            factory,
+            config,
+            world_size=args.world_size,
+            method="analytic",
+            optimizer=_OPTIMIZER,
+            device=_DEVICE,
+            finetune=finetune,
+            **step,
+        )
     except (ValueError, TypeError, ConfigError) as exc:
         raise UsageError(f"cannot estimate {args.model}'s peak: {exc}", _PROG) from None
 

@@ -71,9 +71,18 @@ class GroupRow:
         prefix = self.paths[0] + "."
         local = tuple(name.removeprefix(prefix) for name in self.param_names)
         return (
-            self.class_name, self.rule, local, self.shapes, self.numel, self.sharded_bytes, self.unsharded_bytes,
-            self.trainable_numel, self.storage, self.shard_dims, self.precision,
-        )  # fmt: skip
+            self.class_name,
+            self.rule,
+            local,
+            self.shapes,
+            self.numel,
+            self.sharded_bytes,
+            self.unsharded_bytes,
+            self.trainable_numel,
+            self.storage,
+            self.shard_dims,
+            self.precision,
+        )
 
 
 @dataclass(frozen=True)
