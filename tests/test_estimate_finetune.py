@@ -175,6 +175,25 @@ def test_one_feasibility_rule_names_what_works_instead() -> None:
         check_finetune(model, "lora", ("wq",), 2)
 
 
+def test_qlora_refuses_a_target_tied_to_another_parameter() -> None:
+    """A tied lm_head made NF4 would leave the embedding its own bf16 copy: qlora refuses it by name, lora
+    (which keeps the base weight) takes it."""
+    from fsdp2lite.finetune import check_finetune, finetune_problems
+
+    with torch.device("meta"):
+        model = tiny_llama(layers=2, hidden=256, intermediate=512, vocab=256, tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert finetune_problems(model, "lora", ("q_proj", "lm_head"), 2) == []
+    assert finetune_problems(model, "qlora", ("q_proj",), 2) == []
+    with pytest.raises(ValueError) as refused:
+        check_finetune(model, "qlora", ("q_proj", "lm_head"), 2)
+    assert str(refused.value).splitlines() == [
+        "--finetune qlora cannot run sharded over 2 ranks (1 weight):",
+        "  lm_head.weight is tied to model.embed_tokens.weight: NF4 would untie them (the other keeps the bf16 "
+        "weight); leave lm_head out of --lora-targets, or use --finetune lora",
+    ]
+
+
 def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
     llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

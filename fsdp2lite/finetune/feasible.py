@@ -11,8 +11,10 @@ torchao: it reads the base model's Linear shapes (on the meta device, a 70B cost
 What it checks: every LoRA target names a Linear layer (``targets_problem``); for qlora, every targeted
 weight splits into ``shard`` row shards that each hold whole NF4 scale blocks (``qlora.shard_problem``:
 the rows divide by the degree and each shard's values by 64 * 256, which NF4's second quantization
-needs). Memory is the planner's part (the budget search); the mesh and policy checks are the plan's
-(``plan_config``), which every path already shares. When qlora cannot run, ``qlora_shard_degrees`` names
+needs), and none is tied to another parameter (``tied_problems``: a tied ``lm_head`` made NF4 would leave
+the embedding its own bf16 copy, which neither the plan nor the runtime counts). Memory is the planner's
+part (the budget search); the mesh and policy checks are the plan's (``plan_config``), which every path
+already shares. When qlora cannot run, ``qlora_shard_degrees`` names
 the degrees where it can, so the refusal says what works instead.
 """
 
@@ -45,7 +47,27 @@ def finetune_problems(model: nn.Module, kind: str, targets: tuple[str, ...], sha
     if kind != "qlora":
         return []
     weights = targeted_weights(model, targets)
-    return [found for path, shape in weights if (found := shard_problem(path, shape, shard)) is not None]
+    found = [problem for path, shape in weights if (problem := shard_problem(path, shape, shard)) is not None]
+    return found + tied_problems(model, [path for path, _ in weights])
+
+
+def tied_problems(model: nn.Module, paths: list[str]) -> list[str]:
+    """qlora stores each targeted weight as NF4 codes: a weight tied to another parameter (a tied
+    ``lm_head`` and ``embed_tokens``) would be untied, the other keeping the bf16 tensor."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    problems = []
+    for path in paths:
+        others = [name for name in names[id(weights[path])] if name != path]
+        if others:
+            layer = path.rsplit(".", 2)[-2]
+            problems.append(
+                f"{path} is tied to {', '.join(others)}: NF4 would untie them (the other keeps the bf16 weight); "
+                f"leave {layer} out of --lora-targets, or use --finetune lora"
+            )
+    return problems
 
 
 def qlora_shard_degrees(model: nn.Module, targets: tuple[str, ...], up_to: int) -> list[int]:
@@ -59,9 +81,10 @@ def refusal(kind: str, shard: int, problems: list[str], model: nn.Module, target
     index said once (``_summary.summarized``), and for qlora what would work instead."""
     if targets_problem(model, targets) is not None:  # nothing to adapt: one line, whatever the kind
         return f"--finetune {kind}: {problems[0]}"
-    where = f"sharded over {shard} rank{'s' if shard > 1 else ''} ({len(problems)} weights)"
+    count = f"{len(problems)} weight{'s' if len(problems) > 1 else ''}"
+    where = f"sharded over {shard} rank{'s' if shard > 1 else ''} ({count})"
     lines = [f"--finetune {kind} cannot run {where}:", *(f"  {line}" for line in summarized(problems))]
-    if kind == "qlora":
+    if kind == "qlora" and any(" is tied to " not in problem for problem in problems):  # a shard problem
         degrees = qlora_shard_degrees(model, targets, max(2 * shard, 8))
         where = ", ".join(str(n) for n in degrees) if degrees else "none up to " + str(max(2 * shard, 8))
         lines.append(f"  qlora works sharded over: {where} ranks; --finetune lora (a bf16 base) works over {shard}")
