@@ -155,6 +155,25 @@ def test_the_70b_per_method_figures_of_docs_estimate_are_analytic_estimates(caps
     ) in text
 
 
+def test_the_search_without_finetune_tries_the_settings_docs_estimate_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--budget without --finetune: full, lora and qlora x checkpointing x offload, as many settings as
+    docs/estimate.md counts, on a tiny Llama whose NF4 projections split over 2 ranks and a budget every setting
+    fits (so no finer-grain offload is tried)."""
+    from _models import tiny_llama
+
+    with torch.device("meta"):
+        model = tiny_llama(layers=2, hidden=512, intermediate=1024)
+    model.config.save_pretrained(tmp_path)  # type: ignore[union-attr, operator]  # the config is all it reads
+    argv = ["estimate", "--model", str(tmp_path), "--world-size", "2", "--budget", "80GiB", "--all", "--json"]
+    assert main(argv) == 0
+    tried = json.loads(capsys.readouterr().out)["budget"]["tried"]
+    assert {row["finetune"] for row in tried} == {"full", "lora", "qlora"}
+    assert all(row["offload_groups"] in (None, "all") and row["optimizer_state"] == "host" for row in tried)
+    assert f"in bf16 with fp32 reduction ({len(tried)} settings)" in doc("docs/estimate.md")
+
+
 def test_estimate_defaults_the_docs_name() -> None:
     """estimate's --steps, --global-batch, --host-ram and --nvme-path defaults, as README and docs/estimate.md
     give them."""
