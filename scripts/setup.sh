@@ -2,7 +2,7 @@
 # Make the virtual environments named (default: .venv, the one a user needs), each with fsdp2lite[dev] installed
 # editable:
 #   .venv         torch==2.13.0 (the CPU build): the demo, your jobs, and the whole test suite;
-#   .venv-oldest  torch==2.11.0, pyproject's floor (torch>=2.11), PyPI's CUDA build (about 4.7 GB; the tests hide
+#   .venv-oldest  torch==2.11.0, pyproject's floor (torch>=2.11), PyPI's CUDA build (about 5 GB; the tests hide
 #                 CUDA from it): only the fast part of the suite uses it, and scripts/test.sh makes it.
 # Usage: bash scripts/setup.sh [.venv] [.venv-oldest]
 # Safe to re-run: a stamp file in each skips its installs when nothing they depend on changed.

@@ -84,6 +84,7 @@ def test_the_written_job_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     assert "is 4 microbatches per rank (--grad-accum 4, from --global-batch 16)" in text
     assert re.search(r"headroom: [\d.,]+ [KMG]iB of the 1.0 GiB budget is left over the reserved peak;", text)
     assert "not counted: the processes' own memory" in text and "measured on a GPU: no (a CPU target" in text
+    assert "time: not estimated for a CPU target (the step-time model is a GPU's: --gpu, --link)" in text
 
 
 def test_model_words_say_where_train_py_gets_the_model(tmp_path: Path) -> None:

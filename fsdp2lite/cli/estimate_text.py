@@ -166,15 +166,19 @@ def answer_lines(choice: dict[str, Any], budget: int, job: dict[str, Any]) -> li
         "these figures are the planner's model)"
     )
     uncounted = UNCOUNTED if job["device"] == "cuda" else "the processes' own memory (Python, torch's libraries)"
+    time = (
+        f"  time: {choice['step_s']:.2f} s a microbatch, about {choice['step_s'] * accum:,.0f} s an optimizer step "
+        f"at --grad-accum {accum}; {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, "
+        f"{job['hardware']})"
+    )
     if job["device"] != "cuda":
         measured = "no (a CPU target: these figures are the planner's model)"
+        time = "  time: not estimated for a CPU target (the step-time model is a GPU's: --gpu, --link)"
     return [
         f"  assumed: {per_rank}; a global batch of {sequences} "
         f"samples{tokens} is {accum} microbatch{'es' if accum > 1 else ''} per rank "
         f"(--grad-accum {accum}, from --global-batch {job['global_batch']})",
-        f"  time: {choice['step_s']:.2f} s a microbatch, about {choice['step_s'] * accum:,.0f} s an optimizer step "
-        f"at --grad-accum {accum}; {choice['tokens_per_s']:,.0f} tokens/s for the job ({world} GPUs, "
-        f"{job['hardware']})",
+        time,
         f"  headroom: {human_bytes(headroom)} of the {human_bytes(budget)} budget is left over the reserved peak"
         f"{' (tight)' if headroom < TIGHT else ''}; not counted: {uncounted}, which take from it",
         f"  measured on a GPU: {measured}",
