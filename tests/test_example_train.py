@@ -43,7 +43,11 @@ def env() -> dict[str, str]:
 
 
 def torchrun(
-    *args: str, cwd: Path, launcher: tuple[str, ...] = (), extra_env: dict[str, str] | None = None
+    *args: str,
+    cwd: Path,
+    launcher: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+    nproc: int = 2,
 ) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
@@ -51,7 +55,7 @@ def torchrun(
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         *launcher,
         str(SCRIPT),
         *args,
