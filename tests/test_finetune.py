@@ -284,15 +284,15 @@ def test_qlora_at_world3() -> None:
 
 
 @needs_torchao
-def test_qlora_refuses_weights_without_whole_scale_blocks_before_changing_any() -> None:
+def test_qlora_refuses_weights_of_partial_scale_units_before_changing_any() -> None:
     from _models import tiny_llama
 
     model = finetune.apply_lora(tiny_llama(), finetune.LoraSettings(rank=2))
     before = {n: p for n, p in model.named_parameters()}
     with pytest.raises(
         ValueError,
-        match=r"q_proj.base_layer \(32, 32\): each of 2 row shards must hold a multiple of "
-        r"64 \* 256 = 16384 values",
+        match=r"q_proj.base_layer \(32, 32\): NF4 quantizes a 2D weight of a multiple of "
+        r"64 \* 256 = 16384 values \(1024 here\), at any shard degree",
     ):
         finetune.quantize_base(model, shard_size=2)
     assert all(p is before[n] for n, p in model.named_parameters())
