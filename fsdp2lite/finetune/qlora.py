@@ -3,13 +3,15 @@ NormalFloat codes in blocks of 64 values, the blocks' absmax scales themselves q
 blocks of 256 around their mean: torchao's ``to_nf4`` defaults).
 
 [Note: NF4 from a rank's own rows]
-torchao's NF4 shards by rows (``torch.chunk`` on its inner tensors), and fsdp2lite gathers the shards
-through its all-gather hooks. Everything in a shard is computed from its own rows, except one number:
-the mean of all the tensor's block scales, which ``to_nf4`` subtracts before the second quantization
-and which every shard carries. ``quantize_rows`` therefore all-gathers the block scales (one value per
-64 weights, 1/64 of the rows' size), takes their mean exactly as ``to_nf4`` does, and quantizes only
-its own rows: the bytes equal ``to_nf4`` of the whole tensor chunked by rows, provided each rank's rows
-hold whole scale blocks (rows * columns a multiple of 64 * 256 values), which is checked.
+fsdp2lite shards an NF4 weight by rows (torchao's ``NF4Tensor`` where its own chunks hold whole 64 * 256
+units, else ``NF4Rows``: [Note: NF4 padded by rows]) and gathers the shards through its all-gather hooks.
+Everything in a rank's rows is computed from those rows, except the mean of all the tensor's block scales,
+which ``to_nf4`` subtracts before the second quantization, and the factors of the blocks of 256 scales,
+which may straddle two ranks. ``row_parts`` therefore all-gathers the block scales (one value per 64
+weights, 1/64 of the rows' size; each rank's share padded to ``ceil(rows / world)`` rows so the collective
+is equal-sized), takes their mean and the factors exactly as ``to_nf4`` does, and quantizes only its own
+rows: the bytes equal ``to_nf4`` of the whole tensor's rows of this rank, at any world size, provided a
+row holds whole blocks of 64 values (``shard_problem`` checks).
 
 [Note: NF4 on meta]
 A 70B base never exists whole on any rank: the model is built on the meta device, its targets become
