@@ -181,6 +181,7 @@ def check_qlora_at_any_shard_degree(rank: int, world_size: int) -> None:
         assert torch.equal(parts.scalers, expected.scalers[start : start + rows.shape[0]]), name
         assert torch.equal(raw(parts.quantization_factor), raw(whole.quantization_factor)), name
     layer.reshard()
+    check_offloaded_nf4_rows(rows_of(to_nf4(full)), to_nf4(full))
     alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes every group
     single = finetune_model("qlora", shard_size=1)
     shard_fsdp2lite(single, DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("shard",)))
@@ -189,6 +190,17 @@ def check_qlora_at_any_shard_degree(rank: int, world_size: int) -> None:
     assert mine == theirs, (mine, theirs)
     trained = [p.to_local() for n, p in model.named_parameters() if "lora_B" in n]  # zero at init
     assert trained and all(p.abs().sum() > 0 for p in trained)
+
+
+def check_offloaded_nf4_rows(weight: Any, whole: Any) -> None:
+    """An NF4Rows under CPU offload: its padded shard on the host, gathered byte for byte."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    fl.fully_shard(linear, mesh=cpu_mesh(), offload_policy=fl.CPUOffloadPolicy(pin_memory=False))
+    assert type(linear.weight.to_local()).__name__ == "NF4Rows" and linear.weight.to_local().codes.device.type == "cpu"
+    linear.unshard()
+    assert same_nf4(linear.weight, whole)
+    linear.reshard()
 
 
 def same_nf4(a: Any, b: Any) -> bool:
