@@ -138,9 +138,11 @@ def test_the_recorder_tags_side_stream_allocations() -> None:
     assert Comm.on.__name__ == "on" and Comm.on.__qualname__.startswith("Comm.")  # restored
 
 
-# every projection of this Llama splits into 1 or 2 row shards of whole NF4 scale blocks, not 3 or 4 (k_proj:
-# 128 x 256 values, 2 shards of 16,384)
+# every projection of this Llama is whole NF4 units with rows of whole 64-value blocks: qlora at any degree
 QLORA_LLAMA = functools.partial(tiny_llama, layers=2, hidden=256, intermediate=512)
+# ... and of this one, down_proj (512, 96) is not: 96 columns are 1.5 blocks a row, so it shards only where
+# torchao's own chunks hold whole 64 * 256-value units: 1 rank
+ODD_LLAMA = functools.partial(tiny_llama, layers=2, hidden=512, intermediate=96)
 
 
 @pytest.fixture(scope="module")
@@ -151,26 +153,38 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def odd_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("odd_llama")
+    with torch.device("meta"):
+        ODD_LLAMA().config.save_pretrained(path)
+    return path
+
+
 def test_one_feasibility_rule_names_what_works_instead() -> None:
-    """[Note: one feasibility rule]: qlora at a shard degree whose row shards do not hold whole NF4 scale
-    blocks is refused with the first problems, a count of the rest and the degrees that work."""
+    """[Note: one feasibility rule]: qlora runs at any degree where each row holds whole NF4 blocks; where a
+    weight's rows do not (and torchao's own chunks are not whole units), it is refused with the first
+    problems, a count of the rest and the degrees that work."""
     from fsdp2lite.finetune import DEFAULT_TARGETS, check_finetune, finetune_problems
     from fsdp2lite.finetune.feasible import qlora_shard_degrees
 
     with torch.device("meta"):
-        model = QLORA_LLAMA()
+        model, odd = QLORA_LLAMA(), ODD_LLAMA()
     assert (
-        finetune_problems(model, "qlora", DEFAULT_TARGETS, 2) == [] == finetune_problems(model, "lora", ("q_proj",), 3)
+        finetune_problems(model, "qlora", DEFAULT_TARGETS, 3)
+        == []
+        == finetune_problems(odd, "lora", DEFAULT_TARGETS, 3)
     )
-    problems = finetune_problems(model, "qlora", DEFAULT_TARGETS, 3)
-    assert len(problems) == 2 * 7 and problems[0].startswith("model.layers.0.self_attn.q_proj.weight (256, 256): ")
-    assert qlora_shard_degrees(model, DEFAULT_TARGETS, 8) == [1, 2]
+    assert qlora_shard_degrees(model, DEFAULT_TARGETS, 8) == list(range(1, 9))
+    problems = finetune_problems(odd, "qlora", DEFAULT_TARGETS, 3)
+    assert len(problems) == 2 and problems[0].startswith("model.layers.0.mlp.down_proj.weight (512, 96): ")
+    assert qlora_shard_degrees(odd, DEFAULT_TARGETS, 8) == [1]
     with pytest.raises(ValueError) as refused:
-        check_finetune(model, "qlora", DEFAULT_TARGETS, 3)
+        check_finetune(odd, "qlora", DEFAULT_TARGETS, 3)
     lines = str(refused.value).splitlines()
-    assert lines[0] == "--finetune qlora cannot run sharded over 3 ranks (14 weights):", lines
-    assert lines[1] == f"  {problems[0]}; and 1 more like it" and len(lines) == 1 + 7 + 1  # a line per projection
-    assert lines[-1] == "  qlora works sharded over: 1, 2 ranks; --finetune lora (a bf16 base) works over 3"
+    assert lines[0] == "--finetune qlora cannot run sharded over 3 ranks (2 weights):", lines
+    assert lines[1] == f"  {problems[0]}; and 1 more like it" and len(lines) == 3
+    assert lines[-1] == "  qlora works sharded over: 1 rank; --finetune lora (a bf16 base) works over 3"
     with pytest.raises(ValueError, match=r"^--finetune lora: lora targets wq match no Linear layer of LlamaFor"):
         check_finetune(model, "lora", ("wq",), 2)
 
@@ -195,7 +209,7 @@ def test_qlora_refuses_a_target_tied_to_another_parameter() -> None:
 
 
 def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
-    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    odd_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """At world size 3: ``estimate --finetune qlora`` exits 2 with the rule's message, ``--budget`` leaves
     qlora out of its search saying why, and examples/train.py refuses before building anything, word for
@@ -207,12 +221,12 @@ def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
     from fsdp2lite.finetune import DEFAULT_TARGETS, check_finetune
 
     with torch.device("meta"):
-        model = QLORA_LLAMA()
+        model = ODD_LLAMA()
     with pytest.raises(ValueError) as rule:
         check_finetune(model, "qlora", DEFAULT_TARGETS, 3)
-    args = ["estimate", "--model", str(llama_dir), "--world-size", "3", "--seq", "16"]
+    args = ["estimate", "--model", str(odd_llama_dir), "--world-size", "3", "--seq", "16"]
     assert main([*args, "--finetune", "qlora"]) == 2
-    assert f"cannot plan {llama_dir}: {rule.value}" in capsys.readouterr().err
+    assert f"cannot plan {odd_llama_dir}: {rule.value}" in capsys.readouterr().err
     assert main([*args, "--budget", "1GiB", "--json"]) == 0
     captured = capsys.readouterr()
     searched = {row["finetune"] for row in json.loads(captured.out)["budget"]["tried"]}
@@ -223,7 +237,7 @@ def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
         import train
     finally:
         sys.path.pop(0)
-    options = train.parse_args(["--model-config", str(llama_dir), "--finetune", "qlora", "--device", "cpu"])
+    options = train.parse_args(["--model-config", str(odd_llama_dir), "--finetune", "qlora", "--device", "cpu"])
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     try:
         job = train.Job(0, 3, torch.device("cpu"), "fake")
@@ -232,6 +246,19 @@ def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
     finally:
         torch.distributed.destroy_process_group()
     assert str(refused.value) == str(rule.value)
+
+
+def test_the_planner_searches_qlora_at_a_degree_rows_do_not_divide(
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """3 ranks, 256- and 512-row projections: qlora is planned and searched (a rank's rows padded)."""
+    args = ["estimate", "--model", str(llama_dir), "--world-size", "3", "--seq", "16"]
+    assert main([*args, "--finetune", "qlora", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["finetune"] == "qlora"
+    assert main([*args, "--budget", "1GiB", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert {row["finetune"] for row in json.loads(captured.out)["budget"]["tried"]} == {"full", "lora", "qlora"}
+    assert "not searched" not in captured.err
 
 
 def test_cli_finetune_time_and_reserved(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,6 +147,21 @@ def test_the_70b_answer_in_the_docs_is_what_the_command_prints(
     assert (tmp_path / "qlora70b.yaml").read_text() == _docs_block("The policy file it writes")
 
 
+def test_the_70b_at_3_ranks_in_the_docs_searches_qlora(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/estimate.md's world-size-3 answer (one feasibility rule: qlora with a rank's rows padded) is the
+    command's output at 80 columns, word for word."""
+    monkeypatch.setenv("COLUMNS", "80")
+    block = _docs_block("So at `--world-size 3` the search")
+    command = block.splitlines()[0].removeprefix("$ ")
+    assert main(shlex.split(command)[1:]) == 0
+    captured = capsys.readouterr()
+    printed = [line.rstrip() for line in (captured.out + captured.err).splitlines()]
+    assert printed == block.splitlines()[1:]
+    assert any(line.startswith("recommended: qlora,") for line in printed)
+
+
 def test_from_the_planner_to_a_trained_adapter_with_the_printed_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ bad input is refused by name."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,16 +50,16 @@ def llama(seed: int = 0) -> nn.Module:
     return tiny_llama(hidden=256, intermediate=512).to(torch.bfloat16)
 
 
-def finetune_model(mode: str, seed: int = 0) -> nn.Module:
+def finetune_model(mode: str, seed: int = 0, shard_size: int | None = None) -> nn.Module:
     model = finetune.apply_lora(llama(seed), SETTINGS)
     if mode == "qlora":
-        finetune.quantize_base(model, shard_size=dist.get_world_size())
+        finetune.quantize_base(model, shard_size=shard_size or dist.get_world_size())
     return model
 
 
-def shard_fsdp2lite(model: nn.Module) -> None:
+def shard_fsdp2lite(model: nn.Module, mesh: Any = None) -> None:
     config = finetune.finetune_config(fl.FSDPConfig.from_yaml(REPO / "configs" / "hf_causal_lm.yaml"))
-    fl.apply_config(model, config, cpu_mesh())
+    fl.apply_config(model, config, mesh or cpu_mesh())
 
 
 def shard_torch(model: nn.Module) -> None:
@@ -153,14 +154,63 @@ def check_nf4_bytes(rank: int, world_size: int, adapter_dir: str) -> None:
     layer.reshard()
 
 
+def check_qlora_at_any_shard_degree(rank: int, world_size: int) -> None:
+    """3 ranks: no projection splits into 3 row shards of whole NF4 scale blocks (256 or 512 rows), so each is
+    an NF4Rows padded by rows. Gathered, every weight is to_nf4 of the whole byte for byte; each rank's
+    row_parts are its rows of it; 5 steps on the same batch everywhere have the losses of the same NF4 model
+    trained alone on one rank (torchao's own NF4Tensor, a 1-rank mesh), bit for bit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from fsdp2lite.finetune.nf4_rows import NF4Rows, rows_of
+
+    model = finetune_model("qlora")
+    bases = [m.base_layer.weight for m in model.modules() if hasattr(m, "base_layer")]
+    assert bases and all(type(w) is NF4Rows for w in bases)
+    shard_fsdp2lite(model)
+    reference = llama()
+    layer = model.base_model.model.model.layers[1]
+    layer.unshard()
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj", "mlp.down_proj"):
+        full = reference.get_submodule(f"model.layers.1.{name}").weight.detach()
+        whole = to_nf4(full)
+        assert same_nf4(layer.get_submodule(name).base_layer.weight, whole), name
+        rows, start = full.chunk(world_size)[rank], math.ceil(full.shape[0] / world_size) * rank
+        parts, expected = finetune.row_parts(rows, full.shape[0]), rows_of(whole)
+        assert torch.equal(parts.codes, expected.codes[start : start + rows.shape[0]]), name
+        assert torch.equal(parts.scalers, expected.scalers[start : start + rows.shape[0]]), name
+        assert torch.equal(raw(parts.quantization_factor), raw(whole.quantization_factor)), name
+    layer.reshard()
+    check_offloaded_nf4_rows(rows_of(to_nf4(full)), to_nf4(full))
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes every group
+    single = finetune_model("qlora", shard_size=1)
+    shard_fsdp2lite(single, DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("shard",)))
+    mine = train(model, adamw(model), range(STEPS), rank=0)
+    theirs = train(single, adamw(single), range(STEPS), rank=0)
+    assert mine == theirs, (mine, theirs)
+    trained = [p.to_local() for n, p in model.named_parameters() if "lora_B" in n]  # zero at init
+    assert trained and all(p.abs().sum() > 0 for p in trained)
+
+
+def check_offloaded_nf4_rows(weight: Any, whole: Any) -> None:
+    """An NF4Rows under CPU offload: its padded shard on the host, gathered byte for byte."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    fl.fully_shard(linear, mesh=cpu_mesh(), offload_policy=fl.CPUOffloadPolicy(pin_memory=False))
+    assert type(linear.weight.to_local()).__name__ == "NF4Rows" and linear.weight.to_local().codes.device.type == "cpu"
+    linear.unshard()
+    assert same_nf4(linear.weight, whole)
+    linear.reshard()
+
+
 def same_nf4(a: Any, b: Any) -> bool:
     parts = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
     as_bytes = [(raw(getattr(a, p)), raw(getattr(b, p))) for p in parts]
     return a.shape == b.shape and all(torch.equal(x, y) for x, y in as_bytes)
 
 
-def raw(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).contiguous().view(torch.uint8)
+def raw(tensor: torch.Tensor) -> torch.Tensor:  # (a 1-element factor may have stride 256: contiguous_format)
+    return tensor.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def check_resume(rank: int, world_size: int, checkpoint_dir: str) -> None:
@@ -241,15 +291,20 @@ def test_targets_that_match_nothing_list_the_layers_and_change_nothing() -> None
 
 
 @needs_torchao
-def test_qlora_refuses_weights_without_whole_scale_blocks_before_changing_any() -> None:
+def test_qlora_at_world3() -> None:
+    spawn_checks(3, check_qlora_at_any_shard_degree)
+
+
+@needs_torchao
+def test_qlora_refuses_weights_of_partial_scale_units_before_changing_any() -> None:
     from _models import tiny_llama
 
     model = finetune.apply_lora(tiny_llama(), finetune.LoraSettings(rank=2))
     before = {n: p for n, p in model.named_parameters()}
     with pytest.raises(
         ValueError,
-        match=r"q_proj.base_layer \(32, 32\): each of 2 row shards must hold a multiple of "
-        r"64 \* 256 = 16384 values",
+        match=r"q_proj.base_layer \(32, 32\): NF4 quantizes a 2D weight of a multiple of "
+        r"64 \* 256 = 16384 values \(1024 here\), at any shard degree",
     ):
         finetune.quantize_base(model, shard_size=2)
     assert all(p is before[n] for n, p in model.named_parameters())

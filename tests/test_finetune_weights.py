@@ -74,3 +74,18 @@ def test_per_rank_load_trains_like_the_whole_base(tmp_path: Path, mode: str) -> 
         assert resumed["start_step"] == 2 and resumed["weights_bytes_read"] == share
         c = losses(tmp_path / "c.jsonl")
         assert [c[3], c[4]] == [a[3], a[4]], (a, c)
+
+
+@needs_torchao
+def test_qlora_loads_per_rank_at_3_ranks(tmp_path: Path) -> None:
+    """3 ranks: no projection's rows (256 or 512) split into 3 shards of whole NF4 scale blocks, so each
+    rank quantizes its padded share of rows (NF4Rows); the losses equal the whole base's bit for bit, and
+    each rank read its third of the tensor bytes."""
+    save_llama(tmp_path / "model")
+    common = ["--weights", "model", "--finetune", "qlora", "--lora-rank", "4", "--seq", "32", "--batch", "2"]
+    common += ["--steps", "2", "--warmup-steps", "1", "--log-every", "1"]
+    per_rank = record(torchrun(*common, "--metrics", "a.jsonl", cwd=tmp_path, nproc=3))
+    record(torchrun(*common, "--load-whole-base", "--metrics", "b.jsonl", cwd=tmp_path, nproc=3))
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert len(a) == 2 and a == b, (a, b)
+    assert per_rank["weights_bytes_read"] == shares(tmp_path / "model", 3)

@@ -16,7 +16,8 @@ from .checkpoint import load_trainable, save_trainable
 from .deps import INSTALL_HINT, MissingExtraError, require_libraries
 from .feasible import check_finetune, finetune_problems
 from .lora import ADAPTER_LR, DEFAULT_TARGETS, LoraSettings, apply_lora, init_adapters, trainable_parameters
-from .qlora import BLOCK_SIZE, SCALER_BLOCK_SIZE, load_nf4_rows, quantize_base, quantize_rows
+from .nf4_rows import NF4Rows
+from .qlora import BLOCK_SIZE, SCALER_BLOCK_SIZE, load_nf4_rows, quantize_base, quantize_rows, row_parts
 from .sharding import finetune_config
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "INSTALL_HINT",
     "LoraSettings",
     "MissingExtraError",
+    "NF4Rows",
     "SCALER_BLOCK_SIZE",
     "apply_lora",
     "check_finetune",
@@ -37,6 +39,7 @@ __all__ = [
     "quantize_base",
     "quantize_rows",
     "require_libraries",
+    "row_parts",
     "save_adapter",
     "save_trainable",
     "trainable_parameters",

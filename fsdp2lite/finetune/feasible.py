@@ -9,12 +9,13 @@ so a recommendation always launches and a refusal reads the same everywhere. It 
 torchao: it reads the base model's Linear shapes (on the meta device, a 70B costs nothing).
 
 What it checks: every LoRA target names a Linear layer (``targets_problem``); for qlora, every targeted
-weight splits into ``shard`` row shards that each hold whole NF4 scale blocks (``qlora.shard_problem``:
-the rows divide by the degree and each shard's values by 64 * 256, which NF4's second quantization
-needs), and none is tied to another parameter (``tied_problems``: a tied ``lm_head`` made NF4 would leave
-the embedding its own bf16 copy, which neither the plan nor the runtime counts). Memory is the planner's
-part (the budget search); the mesh and policy checks are the plan's (``plan_config``), which every path
-already shares. When qlora cannot run, ``qlora_shard_degrees`` names
+weight can be NF4 sharded by rows over ``shard`` ranks (``qlora.shard_problem``): a 2D weight of whole
+64 * 256-value units (what ``to_nf4`` quantizes) whose rows hold whole blocks of 64 values, so a rank's
+share of rows is padded like any parameter's ([Note: NF4 padded by rows]); every Llama projection passes at
+every degree. And none is tied to another parameter (``tied_problems``: a tied ``lm_head`` made NF4 would
+leave the embedding its own bf16 copy, which neither the plan nor the runtime counts). Memory is the
+planner's part (the budget search); the mesh and policy checks are the plan's (``plan_config``), which every
+path already shares. When qlora cannot run, ``qlora_shard_degrees`` names
 the degrees where it can, so the refusal says what works instead.
 """
 
@@ -87,7 +88,8 @@ def refusal(kind: str, shard: int, problems: list[str], model: nn.Module, target
     if kind == "qlora" and any(" is tied to " not in problem for problem in problems):  # a shard problem
         degrees = qlora_shard_degrees(model, targets, max(2 * shard, 8))
         where = ", ".join(str(n) for n in degrees) if degrees else "none up to " + str(max(2 * shard, 8))
-        lines.append(f"  qlora works sharded over: {where} ranks; --finetune lora (a bf16 base) works over {shard}")
+        ranks = "rank" if degrees == [1] else "ranks"
+        lines.append(f"  qlora works sharded over: {where} {ranks}; --finetune lora (a bf16 base) works over {shard}")
     return "\n".join(lines)
 
 
