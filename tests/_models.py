@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -92,3 +96,14 @@ def tiny_llama(
         tie_word_embeddings=tied,
     )
     return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def example_train() -> Any:
+    """examples/train.py as a module (a script, not part of the package), for tests of its functions."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import train
+    finally:
+        sys.path.remove(examples)
+    return train

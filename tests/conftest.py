@@ -76,3 +76,17 @@ def single_rank_pg():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def four_ranks():
+    """This process as rank 0 of a fake 4-rank process group (torch's FakeStore: collectives return at once),
+    with its 1-D "shard" mesh, for tests of what fully_shard checks and plans."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import cpu_mesh, spawn_checks
+from _models import example_train
 
 import fsdp2lite as fl
 from fsdp2lite.finetune import data
@@ -400,12 +401,6 @@ def test_two_ranks_and_microbatches_equal_one_process() -> None:
 
 
 # ---- examples/train.py --data FILE.jsonl ---------------------------------------------------------------------
-def import_train() -> Any:
-    from test_example_train import import_train as example_train
-
-    return example_train()
-
-
 @pytest.fixture(scope="module")
 def chat_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The bundled chat sample, fp32, global batch 8 windows a step: 2 ranks x 2 microbatches of 2 under torchrun,
@@ -439,7 +434,7 @@ def test_train_on_a_chat_jsonl_two_ranks_equal_one_process(chat_runs: dict[str, 
 
 
 def test_train_refuses_a_json_file(tmp_path: Path) -> None:
-    train = import_train()
+    train = example_train()
     path = write_jsonl(tmp_path / "chat.json", [{"text": "a"}])
     args = train.parse_args(["--data", str(path)])
     with pytest.raises(train.UsageError, match=re.escape(f"--data {path}: instruction data is read from JSON Lines")):
@@ -464,7 +459,7 @@ def test_train_refuses_a_json_file(tmp_path: Path) -> None:
     ids=["not-json", "no-chat-template", "completion-too-long"],
 )
 def test_train_names_the_bad_line(tmp_path: Path, rows: list[Any], flags: list[str], message: str) -> None:
-    train = import_train()
+    train = example_train()
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     args = train.parse_args(["--data", str(path), *flags])
     with pytest.raises(data.DataError, match="^" + re.escape(f"{path} {message}")):

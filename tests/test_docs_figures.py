@@ -16,13 +16,13 @@ import json
 import re
 import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from _models import example_train
 
 pytest.importorskip("transformers", reason="Hugging Face presets need transformers (fsdp2lite[dev])")
 
@@ -54,15 +54,6 @@ def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
     code = main(argv)
     captured = capsys.readouterr()
     return code, captured.out + captured.err
-
-
-def train_module() -> Any:
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-    return train
 
 
 def gib(nbytes: float) -> str:
@@ -258,7 +249,7 @@ def test_bad_data_messages_docs_finetune_quotes(tmp_path: Path) -> None:
     bytes, and a .json file."""
     from fsdp2lite.finetune.data import DataError
 
-    train = train_module()
+    train = example_train()
     bad = ['{"text": "fine"}', '{"text": "fine"}', '{"text":"a" 1}', "[1, 2]", '{"prompt": "2 + 3 ="}']
     bad.append('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}')
     long = ['{"text": "fine"}'] * 8 + [json.dumps({"prompt": "p" * 180, "completion": "c" * 120})]
@@ -290,7 +281,7 @@ def test_the_bundled_chat_sample_is_what_docs_finetune_says() -> None:
 
     examples = read_jsonl(REPO / "examples" / "data" / "chat.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "chat-tokenizer")
-    train = train_module()
+    train = example_train()
     vocab = train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])).vocab_size
     assert all(isinstance(example, Conversation) for example in examples) and len(tokenizer) <= vocab
     assert "<|im_start|>" in tokenizer.chat_template  # ChatML
@@ -301,7 +292,7 @@ def test_the_bundled_chat_sample_is_what_docs_finetune_says() -> None:
 
 
 def test_train_py_defaults_the_docs_give() -> None:
-    train = train_module()
+    train = example_train()
     args = train.parse_args([])
     assert (
         f"`--lora-rank` ({args.lora_rank}), `--lora-alpha` ({args.lora_alpha:g}), `--lora-dropout` "
@@ -323,7 +314,7 @@ def test_the_nf4_refusal_of_llama_tiny_reads_as_readme_says() -> None:
     calls: fsdp2lite.finetune.check_finetune)."""
     from fsdp2lite.finetune.feasible import check_finetune
 
-    train = train_module()
+    train = example_train()
     args = train.parse_args(["--finetune", "qlora"])
     with torch.device("meta"):
         model = train.new_model(train.resolve_model(args))
@@ -363,19 +354,6 @@ def test_finetune_refusals_and_doctor_verdicts_the_docs_quote(monkeypatch: pytes
 
 
 # ---- README's fully_shard refusal and the offload closed form ------------------------------------------------
-@pytest.fixture
-def four_ranks() -> Iterator[Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_the_plan_error_readme_shows_is_what_fully_shard_raises(four_ranks: Any) -> None:
     from test_plan import Scaled
     from torch.distributed.tensor import Shard

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 pytest.importorskip("transformers", reason="tiny Hugging Face Llama models need transformers (fsdp2lite[dev])")
 
-from _models import tiny_llama  # noqa: E402
+from _models import example_train, tiny_llama  # noqa: E402
 
 import fsdp2lite as fl  # noqa: E402
 from fsdp2lite.cli import main  # noqa: E402
@@ -214,7 +214,6 @@ def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
     """At world size 3: ``estimate --finetune qlora`` exits 2 with the rule's message, ``--budget`` leaves
     qlora out of its search saying why, and examples/train.py refuses before building anything, word for
     word (a fake process group of 3 ranks)."""
-    import sys
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -232,11 +231,7 @@ def test_the_planner_and_train_py_refuse_an_infeasible_qlora_alike(
     searched = {row["finetune"] for row in json.loads(captured.out)["budget"]["tried"]}
     flat = " ".join(captured.err.split())  # the text answer wraps at the terminal's width
     assert searched == {"full", "lora"} and " ".join(f"not searched: {rule.value}".split()) in flat
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    try:
-        import train
-    finally:
-        sys.path.pop(0)
+    train = example_train()
     options = train.parse_args(["--model-config", str(odd_llama_dir), "--finetune", "qlora", "--device", "cpu"])
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     try:

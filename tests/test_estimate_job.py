@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _models import example_train
 
 pytest.importorskip("transformers", reason="Hugging Face presets need transformers (fsdp2lite[dev])")
 
@@ -23,15 +24,6 @@ from fsdp2lite.cli.estimate_job import model_words  # noqa: E402
 from fsdp2lite.config.minimal import minimal_data, minimal_yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _train_module():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-    return train
 
 
 def test_a_minimal_policy_file_keeps_only_what_differs_and_reads_back_equal() -> None:
@@ -69,7 +61,7 @@ def test_the_written_job_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     record = json.loads(captured.out)
     words = shlex.split(record["train_command"])
     assert words[:6] == ["OMP_NUM_THREADS=1", "torchrun", "--standalone", "--nproc-per-node", "2", "examples/train.py"]
-    args = _train_module().parse_args(words[6:])
+    args = example_train().parse_args(words[6:])
     assert (args.config, args.model_config, args.weights, args.data) == (out, "llama-tiny", None, Path("chat.jsonl"))
     assert (args.finetune, args.lr, args.batch, args.seq, args.grad_accum) == ("lora", 2e-4, 2, 64, 4)  # 16 / (2 x 2)
     assert (args.steps, args.checkpoint_dir, args.resume, args.device) == (30, Path("checkpoints/toy"), "latest", "cpu")
@@ -103,7 +95,7 @@ def test_the_llama_tiny_preset_is_train_pys() -> None:
 
     from fsdp2lite.cli._hf_models import _config
 
-    train = _train_module()
+    train = example_train()
     ours = _config(transformers, "llama-tiny", "test").to_dict()
     theirs = train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])).hf_config.to_dict()
     for key in ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path"):
@@ -112,7 +104,7 @@ def test_the_llama_tiny_preset_is_train_pys() -> None:
 
 
 def test_train_py_help_names_every_default_and_lr_follows_finetune(capsys: pytest.CaptureFixture[str]) -> None:
-    train = _train_module()
+    train = example_train()
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -190,7 +182,7 @@ def test_from_the_planner_to_a_trained_adapter_with_the_printed_command(
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["formats"] == {"messages": 400} and record["steps"] == 6
     adapter = tmp_path / "checkpoints" / "toy" / "step-0000006" / "adapter"
-    train = _train_module()
+    train = example_train()
     base = train.new_model(train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])))
     loaded = peft.PeftModel.from_pretrained(base, str(adapter))
     assert any("lora_A" in name for name, _ in loaded.named_parameters())

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 from _cpu_env import cpu_env
+from _models import example_train
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -111,26 +112,16 @@ def losses(path: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def import_train() -> Any:
-    """examples/train.py as a module."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return train
-
-
 def save_initial_weights(directory: Path) -> None:
     """What A starts from (rank 0's seeded init of the llama-tiny preset), as a Hugging Face checkpoint."""
-    train = import_train()
+    train = example_train()
     args = train.parse_args(["--model-config", "llama-tiny", "--seed", "0"])
     train.source_model(args, train.resolve_model(args)).save_pretrained(directory)
 
 
 def llama_tiny_parameters() -> int:
     """Parameter tensors of the llama-tiny preset."""
-    train = import_train()
+    train = example_train()
     with torch.device("meta"):
         model = train.new_model(train.resolve_model(train.parse_args(["--model-config", "llama-tiny"])))
     return len(list(model.parameters()))
@@ -272,7 +263,7 @@ def test_step_in_backward_trains_and_resumes_like_one_optimizer(runs: dict[str, 
 
 
 def test_step_in_backward_arguments_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    train = import_train()
+    train = example_train()
     for argv, message in (
         (["--step-in-backward"], "nothing can clip by their global norm: pass --max-grad-norm 0 with it (got 1)"),
         (

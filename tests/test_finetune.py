@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import cpu_mesh, spawn_checks
+from _models import example_train
 
 import fsdp2lite as fl
 from fsdp2lite import finetune
@@ -311,15 +312,6 @@ def test_qlora_refuses_weights_of_partial_scale_units_before_changing_any() -> N
 
 
 # ---- examples/train.py ---------------------------------------------------------------------------------
-def _train_module() -> Any:
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        import train
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-    return train
-
-
 @needs_torchao
 def test_train_qlora_saves_a_peft_adapter_and_resumes_exactly(tmp_path: Path) -> None:
     """torchrun, 2 CPU ranks: --finetune qlora 4 steps saving at 2; a run resumed from step 2 has the
@@ -352,7 +344,7 @@ def test_train_qlora_saves_a_peft_adapter_and_resumes_exactly(tmp_path: Path) ->
 
 
 def test_train_refuses_lora_settings_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    train = _train_module()
+    train = example_train()
     for flag, value, message in (
         ("--lora-rank", "0", "--lora-rank 0: expected an integer from 1 to 4096"),
         ("--lora-alpha", "-1", "--lora-alpha -1.0: expected a number greater than 0"),
@@ -364,7 +356,7 @@ def test_train_refuses_lora_settings_by_name(capsys: pytest.CaptureFixture[str])
 
 
 def test_train_qlora_without_torchao_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    train = _train_module()
+    train = example_train()
     monkeypatch.setitem(sys.modules, "torchao", None)
     args = train.parse_args(["--finetune", "qlora"])
     with pytest.raises(

@@ -5,30 +5,17 @@ for word. One process: the fake process group (rank 0 of 4) gives the mesh, noth
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from _models import UnevenMLP
 from test_bad_input import assert_unchanged, fingerprint
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp2lite as fl
 from fsdp2lite._plan import GroupSpec, MeshShape, PlanError, group_problems, owned_params
-
-
-@pytest.fixture
-def four_ranks() -> Iterator[Any]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
-    finally:
-        dist.destroy_process_group()
 
 
 class Scaled(nn.Module):

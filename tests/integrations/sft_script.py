@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from cpu_fsdp import CpuFsdpMixin
+from cpu_fsdp import CpuFsdpMixin, implementation
 from datasets import load_dataset
 from torch.distributed.tensor import DTensor
 from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config, get_quantization_config
@@ -48,17 +48,6 @@ def four_bit_bytes(model: Any) -> dict[str, int]:
             held += local.numel() * local.element_size()
             whole += weight.numel() * weight.element_size()
     return {"held": held, "whole": whole}
-
-
-def implementation(model: Any) -> dict[str, Any]:
-    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_home  # torch's class, even when patched
-
-    return {
-        "mro_modules": sorted({cls.__module__ for cls in type(model).__mro__}),
-        "torch_fsdp_module": isinstance(model, torch_home.FSDPModule),
-        "groups": sum(1 for m in model.modules() if isinstance(m, torch_home.FSDPModule)),
-        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
 
 
 def main() -> None:

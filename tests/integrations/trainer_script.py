@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from cpu_fsdp import CpuFsdpMixin
+from cpu_fsdp import CpuFsdpMixin, implementation
 from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Trainer, TrainingArguments
 
 
@@ -56,18 +56,6 @@ def dataset(n: int = 32, seq: int = 12, vocab: int = 96) -> list[dict[str, torch
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, vocab, (seq,), generator=g) for _ in range(n)]
     return [{"input_ids": t, "labels": t} for t in tokens]
-
-
-def implementation(model: Any) -> dict[str, Any]:
-    """What the model became: its classes' modules (fsdp2lite's or torch's FSDPModule among them)."""
-    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_home  # torch's class, even when patched
-
-    return {
-        "mro_modules": sorted({cls.__module__ for cls in type(model).__mro__}),
-        "torch_fsdp_module": isinstance(model, torch_home.FSDPModule),
-        "groups": sum(1 for m in model.modules() if isinstance(m, torch_home.FSDPModule)),
-        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
 
 
 def main() -> None:
