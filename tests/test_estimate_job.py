@@ -77,6 +77,7 @@ def test_the_written_job_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     assert re.search(r"headroom: [\d.,]+ [KMG]iB of the 1.0 GiB budget is left over the reserved peak;", text)
     assert "not counted: the processes' own memory" in text and "measured on a GPU: no (a CPU target" in text
     assert "time: not estimated for a CPU target (the step-time model is a GPU's: --gpu, --link)" in text
+    assert "tokens/s" not in text.split("recommended:")[0]  # the table neither: no GPU's figure for a CPU job
 
 
 def test_model_words_say_where_train_py_gets_the_model(tmp_path: Path) -> None:

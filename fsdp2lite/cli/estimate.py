@@ -309,7 +309,8 @@ def _run_search(
     caches: dict[bool, dict[Any, Any]] = {False: {"model": model}}
     choice, tried = search_budget(job, base, args.budget, caches)
     rows = sorted(tried, key=search_order) if args.all else nearest_rows(tried, choice)
-    console.print(search_table(args.budget, tried, rows, choice, every=args.all, width=console.width))
+    table = search_table(args.budget, tried, rows, choice, args.all, console.width, args.device)
+    console.print(table)
     record: dict[str, Any] = {"budget": {"bytes": args.budget, "host_ram": args.host_ram, "fits": choice is not None,
                                          "tried": tried}}  # fmt: skip
     if choice is None:

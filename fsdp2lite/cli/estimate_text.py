@@ -75,11 +75,13 @@ def search_table(
     choice: dict[str, Any] | None,
     every: bool,
     width: int = 80,
+    device: str = "cuda",
 ) -> Table:
     """``rows`` (the nearest few, or ``every`` row tried) with the columns that vary among them; columns
-    are dropped, least needed first (``DROPPED``), until the table fits ``width`` without cutting a cell."""
+    are dropped, least needed first (``DROPPED``), until the table fits ``width`` without cutting a cell.
+    A CPU target shows no tokens/s: the step-time model is a GPU's."""
     shown = "every setting tried" if every else f"the choice and its nearest alternatives ({len(tried)} tried; --all)"
-    columns = every_column = _columns(rows, choice)
+    columns = every_column = [c for c in _columns(rows, choice) if device == "cuda" or c[0] != "tokens/s"]
     for header in DROPPED:
         if _width(columns) <= width:
             break
