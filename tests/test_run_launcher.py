@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 from _cpu_env import cpu_env
-from test_example_train import foreign_lines
+from test_example_train import foreign_lines, together
 
 from fsdp2lite import run as launcher
 
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "integrations" / "trainer_script.py"
 TRAINER_KEEPS_SHARDED_MODELS = "5.19"  # as in tests/test_integrations.py
@@ -53,12 +54,13 @@ def _needs_trainer() -> None:
 def _train(root: Path, launch: list[str], runs: dict[str, list[str]]) -> tuple[dict[str, list[dict[str, Any]]], str]:
     """One torchrun of the script on 2 ranks, each of ``runs`` (name: its arguments) trained in turn:
     each run's rank records, and what the torchrun printed on stderr."""
-    configurations = [["--out", str(root / name), "--output_dir", str(root / name / "trainer"), *extra]
-                      for name, extra in runs.items()]  # fmt: skip
+    configurations = [
+        ["--out", str(root / name), "--output_dir", str(root / name / "trainer"), *extra]
+        for name, extra in runs.items()
+    ]
     listed = root / f"{'-'.join(runs)}.json"
     listed.write_text(json.dumps(configurations))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
-               str(SCRIPT), "--configurations", str(listed), *TRAINER_ARGS]  # fmt: skip
+    command = [*TORCHRUN_2, *launch, str(SCRIPT), "--configurations", str(listed), *TRAINER_ARGS]
     env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{list(runs)} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
@@ -137,7 +139,11 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     scripts.mkdir()
     (scripts / "probe.py").write_text(PROBE)
     (scripts / "helper.py").write_text("")
-    done = _launch(["scripts/probe.py", "--lr", "1", "-m", "x"], tmp_path)
+    launch = [sys.executable, "-m", "fsdp2lite.run", "scripts/probe.py"]
+    plain = [sys.executable, "scripts/probe.py", "raise"]  # the same script without the launcher
+    commands = [[*launch, "--lr", "1", "-m", "x"], plain, [*launch, "raise"], [*launch, "exit"]]
+    # one process each, independent: started at once (two share 2 cores where one after the other leaves one idle)
+    done, plain_run, raised, exited = together([(command, cpu_env()) for command in commands], tmp_path)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["argv"] == ["scripts/probe.py", "--lr", "1", "-m", "x"]  # the script's own options, untouched
@@ -148,13 +154,9 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     assert "the script's own log line" in done.stderr and "the script's own warning" in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"python -m fsdp2lite.run: {launcher.NOTHING_SHARDED}"
 
-    plain = subprocess.run([sys.executable, "scripts/probe.py", "raise"], cwd=tmp_path, env=cpu_env(),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    raised = _launch(["scripts/probe.py", "raise"], tmp_path)
-    assert raised.returncode == plain.returncode == 1
+    assert raised.returncode == plain_run.returncode == 1
     last_line = "KeyError: 'from the script'"
-    assert raised.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1] == last_line
-    exited = _launch(["scripts/probe.py", "exit"], tmp_path)
+    assert raised.stderr.strip().splitlines()[-1] == plain_run.stderr.strip().splitlines()[-1] == last_line
     assert exited.returncode == 5 and "fsdp2lite.run:" not in raised.stderr + exited.stderr, "no report on failure"
 
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 from _cpu_env import cpu_env
 
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "integrations" / "sft_script.py"
 STEPS = 4
@@ -79,9 +80,8 @@ def _train(root: Path, name: str, launch: list[str], bases: list[str]) -> dict[s
     out = root / name
     runs = [["--out", str(out / base), "--output_dir", str(out / base / "adapter"), *BASES[base]] for base in bases]
     (root / f"{name}.json").write_text(json.dumps(runs))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
-               str(SCRIPT), "--model_name_or_path", "model", "--dataset_name", "data", "--configurations",
-               f"{name}.json", *ARGS]  # fmt: skip
+    data = ["--model_name_or_path", "model", "--dataset_name", "data", "--configurations", f"{name}.json"]
+    command = [*TORCHRUN_2, *launch, str(SCRIPT), *data, *ARGS]
     # PYTHONHASHSEED: peft writes the target modules ("all-linear" resolved into a set) in the set's order
     env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONHASHSEED="0")
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
