@@ -103,6 +103,13 @@ def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def pythons(*runs: list[str], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Several one-process runs (``python examples/train.py ARGS``), independent of each other, started at
+    once: each runs on one thread (cpu_env), so two of them share 2 cores where one after the other would
+    leave a core idle."""
+    return together([([sys.executable, str(SCRIPT), *args], env()) for args in runs], cwd)
+
+
 def record(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -171,16 +178,22 @@ def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
     (tmp / "ckB" / "step-0000003").mkdir()  # a save that never finished: no train_state.json
     out["B"] = record(torchrun(*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl", cwd=tmp))
     single = [*COMMON, "--batch", "4"]
-    out["C"] = record(python(*single, "--config", "fp32.yaml", "--metrics", "C.jsonl", cwd=tmp))
     (tmp / "offload.yaml").write_text(LAYERS_FP32 + "offload: {device: cpu, pin_memory: false}\n")
-    out["H"] = record(python(*single, "--config", "offload.yaml", "--metrics", "H.jsonl", cwd=tmp))
     unclipped = [*single, "--config", "offload.yaml", "--max-grad-norm", "0"]
     in_backward = [*unclipped, "--step-in-backward", "--save-every", "2"]
-    out["I"] = record(python(*in_backward, "--checkpoint-dir", "ckI", "--metrics", "I.jsonl", cwd=tmp))
-    out["J"] = record(python(*unclipped, "--metrics", "J.jsonl", cwd=tmp))
-    shutil.copytree(tmp / "ckI" / "step-0000002", tmp / "ckK" / "step-0000002")
+    c, h, i, j = pythons(
+        [*single, "--config", "fp32.yaml", "--metrics", "C.jsonl"],
+        [*single, "--config", "offload.yaml", "--metrics", "H.jsonl"],
+        [*in_backward, "--checkpoint-dir", "ckI", "--metrics", "I.jsonl"],
+        [*unclipped, "--metrics", "J.jsonl"],
+        cwd=tmp,
+    )
+    out.update(C=record(c), H=record(h), I=record(i), J=record(j))
+    shutil.copytree(tmp / "ckI" / "step-0000002", tmp / "ckK" / "step-0000002")  # K resumes from I's step 2
     resume = ["--checkpoint-dir", "ckK", "--resume", "latest", "--metrics", "K.jsonl"]
-    out["K"] = record(python(*in_backward, *resume, cwd=tmp))
+    gpt = ["--model-config", "gpt", "--seq", "32", "--steps", "2", "--log-every", "1"]
+    k, f = pythons([*in_backward, *resume], gpt, cwd=tmp)
+    out.update(K=record(k), F=record(f))
     save_initial_weights(tmp / "weights")
     out["D"] = record(torchrun(*base, "--weights", "weights", "--metrics", "D.jsonl", cwd=tmp))
     out["E_tokens"] = gpt2_with_tokenizer(tmp / "gpt2-bpe")
@@ -199,7 +212,6 @@ def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
     out["E"] = record(torchrun(*e_args, cwd=tmp))
     # steps 1-2 are warmup (--warmup-steps 2): their learning rates do not depend on --steps
     out["G"] = two_nodes(*base, "--steps", "2", "--metrics", "G.jsonl", cwd=tmp)
-    out["F"] = record(python("--model-config", "gpt", "--seq", "32", "--steps", "2", "--log-every", "1", cwd=tmp))
     return out
 
 

@@ -5,7 +5,9 @@ The HF workflow: a Trainer script that asks for FSDP2 on its command line (``--f
 ranks under torchrun once plainly (torch's fully_shard, through Accelerate) and once as ``torchrun -m
 fsdp2lite.run trainer_script.py ...``: the losses must be equal at every step, bit for bit (fp32, as in
 tests/test_integrations.py), and the Trainer's model must be fsdp2lite's FSDPModule while Accelerate still
-takes it for torch's. Full fine-tuning and peft's LoRA (get_peft_model before the Trainer) each.
+takes it for torch's. Full fine-tuning and peft's LoRA (get_peft_model before the Trainer) each. The oracle
+trains both in one torchrun (the script's ``--configurations``: process start and imports are most of a
+run's time); fsdp2lite's runs stay one per torchrun, as the exit report counts a process's sharding.
 
 The launcher's own contract (``sys.argv``, ``sys.path[0]``, ``__main__``, exit codes, the script's
 exceptions) is checked on small scripts in one process each.
@@ -13,6 +15,7 @@ exceptions) is checked on small scripts in one process each.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,10 +24,11 @@ from typing import Any
 
 import pytest
 from _cpu_env import cpu_env
-from test_example_train import foreign_lines
+from test_example_train import foreign_lines, together
 
 from fsdp2lite import run as launcher
 
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "integrations" / "trainer_script.py"
 TRAINER_KEEPS_SHARDED_MODELS = "5.19"  # as in tests/test_integrations.py
@@ -47,29 +51,50 @@ def _needs_trainer() -> None:
         )
 
 
-def _train(tmp_path: Path, name: str, launch: list[str], extra: list[str]) -> tuple[list[dict[str, Any]], str]:
-    out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
-               str(SCRIPT), "--out", str(out), "--output_dir", str(out / "trainer"), *TRAINER_ARGS, *extra]  # fmt: skip
+def _train(root: Path, launch: list[str], runs: dict[str, list[str]]) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """One torchrun of the script on 2 ranks, each of ``runs`` (name: its arguments) trained in turn:
+    each run's rank records, and what the torchrun printed on stderr."""
+    configurations = [
+        ["--out", str(root / name), "--output_dir", str(root / name / "trainer"), *extra]
+        for name, extra in runs.items()
+    ]
+    listed = root / f"{'-'.join(runs)}.json"
+    listed.write_text(json.dumps(configurations))
+    command = [*TORCHRUN_2, *launch, str(SCRIPT), "--configurations", str(listed), *TRAINER_ARGS]
     env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{name} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)], done.stderr
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{list(runs)} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    records = {name: [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)] for name in runs}
+    return records, done.stderr
 
 
-@pytest.mark.parametrize("finetune", ["full", "lora"])
-def test_trainer_script_under_the_launcher_equals_torch(tmp_path: Path, finetune: str) -> None:
+FINETUNES = {"full": [], "lora": ["--lora"]}
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict[str, Any]]]]:
+    """The oracle, torch's fully_shard: every fine-tuning this machine can run, in one torchrun."""
     _needs_trainer()
-    extra = []
+    finetunes = [f for f in FINETUNES if f == "full" or importlib.util.find_spec("peft")]
+    root = tmp_path_factory.mktemp("launcher")
+    (root / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
+    records, _ = _train(root, [], {f"torch-{f}": FINETUNES[f] for f in finetunes})
+    return root, records
+
+
+@pytest.mark.parametrize("finetune", list(FINETUNES))
+def test_trainer_script_under_the_launcher_equals_torch(
+    torch_runs: tuple[Path, dict[str, list[dict[str, Any]]]], finetune: str
+) -> None:
     if finetune == "lora":
         pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
-        extra = ["--lora"]
-    (tmp_path / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
-    torch_runs, _ = _train(tmp_path, "torch", [], extra)
-    fl_runs, printed = _train(tmp_path, "fsdp2lite", ["-m", "fsdp2lite.run"], extra)
-    for rank, (ref, mine) in enumerate(zip(torch_runs, fl_runs, strict=True)):
+    root, oracle = torch_runs
+    mine_by_name, printed = _train(root, ["-m", "fsdp2lite.run"], {f"fsdp2lite-{finetune}": FINETUNES[finetune]})
+    ref_runs, fl_runs = oracle[f"torch-{finetune}"], mine_by_name[f"fsdp2lite-{finetune}"]
+    for rank, (ref, mine) in enumerate(zip(ref_runs, fl_runs, strict=True)):
         assert mine["losses"] == ref["losses"] and len(mine["losses"]) == 4, (rank, mine["losses"], ref["losses"])
         assert mine["fsdp_enabled"] and ref["fsdp_enabled"]
+        assert mine["fsdp_enabled_on_cpu"] and ref["fsdp_enabled_on_cpu"], "Accelerate's state carried over"
         assert "fsdp2lite.module" in mine["model"]["mro_modules"], mine["model"]  # fsdp2lite's runtime ran
         assert not any(m.startswith("fsdp2lite") for m in ref["model"]["mro_modules"]), ref["model"]
         assert mine["model"]["torch_fsdp_module"], "Accelerate must still see a torch FSDPModule"
@@ -114,7 +139,11 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     scripts.mkdir()
     (scripts / "probe.py").write_text(PROBE)
     (scripts / "helper.py").write_text("")
-    done = _launch(["scripts/probe.py", "--lr", "1", "-m", "x"], tmp_path)
+    launch = [sys.executable, "-m", "fsdp2lite.run", "scripts/probe.py"]
+    plain = [sys.executable, "scripts/probe.py", "raise"]  # the same script without the launcher
+    commands = [[*launch, "--lr", "1", "-m", "x"], plain, [*launch, "raise"], [*launch, "exit"]]
+    # one process each, independent: started at once (two share 2 cores where one after the other leaves one idle)
+    done, plain_run, raised, exited = together([(command, cpu_env()) for command in commands], tmp_path)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["argv"] == ["scripts/probe.py", "--lr", "1", "-m", "x"]  # the script's own options, untouched
@@ -125,13 +154,9 @@ def test_launcher_runs_a_script_as_python_would(tmp_path: Path) -> None:
     assert "the script's own log line" in done.stderr and "the script's own warning" in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"python -m fsdp2lite.run: {launcher.NOTHING_SHARDED}"
 
-    plain = subprocess.run([sys.executable, "scripts/probe.py", "raise"], cwd=tmp_path, env=cpu_env(),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    raised = _launch(["scripts/probe.py", "raise"], tmp_path)
-    assert raised.returncode == plain.returncode == 1
+    assert raised.returncode == plain_run.returncode == 1
     last_line = "KeyError: 'from the script'"
-    assert raised.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1] == last_line
-    exited = _launch(["scripts/probe.py", "exit"], tmp_path)
+    assert raised.stderr.strip().splitlines()[-1] == plain_run.stderr.strip().splitlines()[-1] == last_line
     assert exited.returncode == 5 and "fsdp2lite.run:" not in raised.stderr + exited.stderr, "no report on failure"
 
 

@@ -8,10 +8,17 @@ in its default uint8 storage, which torch's path leaves replicated on every rank
 the logged losses are equal at every step, bit for bit; ``trainer.save_model`` writes the adapter on both
 runs (byte-identical files) and peft loads it back; fsdp2lite's ranks each hold exactly half of the 4-bit
 bytes, in either storage.
+
+Process start and imports are most of a run's time, so each implementation trains the three bases in one
+torchrun, in turn, Accelerate's state cleared between them ([Note: configurations in one run] in the
+script; each record shows its Trainer found that state fresh). fsdp2lite's run takes the bases in the
+reverse order of torch's: the bit-equal losses and byte-equal adapters then also show that no base's result
+depends on what trained before it in the process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +29,7 @@ import pytest
 import torch
 from _cpu_env import cpu_env
 
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "integrations" / "sft_script.py"
 STEPS = 4
@@ -67,16 +75,31 @@ def _write_assets(root: Path) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
-def _train(tmp_path: Path, name: str, launch: list[str], base: list[str]) -> list[dict[str, Any]]:
-    out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launch,
-               str(SCRIPT), "--model_name_or_path", "model", "--dataset_name", "data", "--out", str(out),
-               "--output_dir", str(out / "adapter"), *ARGS, *base]  # fmt: skip
+def _train(root: Path, name: str, launch: list[str], bases: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """One torchrun of the script on 2 ranks, training each of ``bases`` in turn: each base's rank records."""
+    out = root / name
+    runs = [["--out", str(out / base), "--output_dir", str(out / base / "adapter"), *BASES[base]] for base in bases]
+    (root / f"{name}.json").write_text(json.dumps(runs))
+    data = ["--model_name_or_path", "model", "--dataset_name", "data", "--configurations", f"{name}.json"]
+    command = [*TORCHRUN_2, *launch, str(SCRIPT), *data, *ARGS]
     # PYTHONHASHSEED: peft writes the target modules ("all-linear" resolved into a set) in the set's order
     env = cpu_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONHASHSEED="0")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{name} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return {base: [json.loads((out / base / f"rank{rank}.json").read_text()) for rank in range(2)] for base in bases}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """Both implementations' runs of every base this machine can train: (root, torch's, fsdp2lite's)."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install trl")
+    pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
+    bases = [base for base in BASES if not base.startswith("4bit") or importlib.util.find_spec("bitsandbytes")]
+    root = tmp_path_factory.mktemp("trl_sft")
+    _write_assets(root)
+    (root / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
+    fl_runs = _train(root, "fsdp2lite", ["-m", "fsdp2lite.run"], bases[::-1])  # the other order (module docstring)
+    return root, _train(root, "torch", [], bases), fl_runs
 
 
 def _check_reload(model_dir: Path, adapter: Path, base: str) -> None:
@@ -100,18 +123,17 @@ def _check_reload(model_dir: Path, adapter: Path, base: str) -> None:
 
 
 @pytest.mark.parametrize("base", list(BASES))
-def test_trl_sft_under_the_launcher_equals_torch(tmp_path: Path, base: str) -> None:
-    pytest.importorskip("trl", reason="trl is not installed: pip install trl")
-    pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[finetune]'")
+def test_trl_sft_under_the_launcher_equals_torch(
+    trained: tuple[Path, dict[str, Any], dict[str, Any]], base: str
+) -> None:
     if base.startswith("4bit"):
         pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install bitsandbytes")
-    model_dir, _ = _write_assets(tmp_path)
-    (tmp_path / "cfg.json").write_text(json.dumps(FSDP_CONFIG))
-    torch_runs = _train(tmp_path, "torch", [], BASES[base])
-    fl_runs = _train(tmp_path, "fsdp2lite", ["-m", "fsdp2lite.run"], BASES[base])
+    root, torch_bases, fl_bases = trained
+    torch_runs, fl_runs = torch_bases[base], fl_bases[base]
     for rank, (ref, mine) in enumerate(zip(torch_runs, fl_runs, strict=True)):
         assert mine["losses"] == ref["losses"] and len(mine["losses"]) == STEPS, (rank, mine["losses"], ref["losses"])
         assert mine["fsdp2"] and ref["fsdp2"], "Accelerate must still be in FSDP2 mode at save_model"
+        assert mine["fsdp_enabled_on_cpu"] and ref["fsdp_enabled_on_cpu"], "Accelerate's state carried over"
         assert "fsdp2lite.module" in mine["model"]["mro_modules"], mine["model"]  # fsdp2lite's runtime ran
         assert not any(m.startswith("fsdp2lite") for m in ref["model"]["mro_modules"]), ref["model"]
         assert mine["model"]["torch_fsdp_module"] and mine["model"]["groups"] == ref["model"]["groups"] > 1
@@ -122,7 +144,7 @@ def test_trl_sft_under_the_launcher_equals_torch(tmp_path: Path, base: str) -> N
             replicated = base == "4bit-uint8"  # torch's path leaves uint8 storage out of sharding
             assert ref["four_bit"] == {"held": whole if replicated else whole // 2, "whole": whole}, ref["four_bit"]
     assert fl_runs[0]["losses"] == fl_runs[1]["losses"], "ranks disagree on the logged loss"
-    adapter = tmp_path / "fsdp2lite" / "adapter"
+    adapter = root / "fsdp2lite" / base / "adapter"
     files = ("adapter_model.safetensors", "adapter_config.json")
-    assert all((adapter / f).read_bytes() == (tmp_path / "torch" / "adapter" / f).read_bytes() for f in files)
-    _check_reload(model_dir, adapter, base)
+    assert all((adapter / f).read_bytes() == (root / "torch" / base / "adapter" / f).read_bytes() for f in files)
+    _check_reload(root / "model", adapter, base)

@@ -15,7 +15,10 @@ from fsdp2lite.integrations.accelerate import enable_fsdp_on_cpu
 
 
 class CpuFsdpMixin:
-    """Mixed into a Trainer class (``class T(CpuFsdpMixin, SFTTrainer)``): FSDP as its arguments ask."""
+    """Mixed into a Trainer class (``class T(CpuFsdpMixin, SFTTrainer)``): FSDP as its arguments ask.
+    ``fsdp_enabled_on_cpu`` says whether it did so (Accelerate had dropped FSDP, as on CPU it does)."""
+
+    fsdp_enabled_on_cpu: bool = False
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
@@ -23,6 +26,7 @@ class CpuFsdpMixin:
         if args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:  # type: ignore[has-type]
             enable_fsdp_on_cpu(self.accelerator, args.fsdp_plugin_args)  # type: ignore[attr-defined]
             self.is_fsdp_enabled = True
+            self.fsdp_enabled_on_cpu = True
 
 
 def implementation(model: Any) -> dict[str, Any]:

@@ -7,8 +7,11 @@
 The arguments are the Trainer's own (``HfArgumentParser``), plus ``--out`` (where each rank writes
 rank{r}.json: the losses, what the model became, how the script was run) and ``--lora`` (peft's LoRA
 adapters on the attention and MLP projections, the base frozen). Run plainly it shards with torch's
-``fully_shard``; under ``python -m fsdp2lite.run`` with fsdp2lite's. The one test-only part: FSDP on CPU
-ranks (tests/integrations/cpu_fsdp.py, which only sets Accelerate's state).
+``fully_shard``; under ``python -m fsdp2lite.run`` with fsdp2lite's. The test-only parts: FSDP on CPU
+ranks (tests/integrations/cpu_fsdp.py, which only sets Accelerate's state), and ``--configurations FILE``,
+several runs in the same processes as in tests/integrations/sft_script.py ([Note: configurations in one
+run] there): FILE a JSON list of argument lists, each added to the command line's and trained in turn,
+Accelerate's state cleared before each.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Tr
 
 @dataclass
 class ScriptArguments:
-    out: str = field(metadata={"help": "where each rank writes rank{r}.json"})
+    out: str = field(default="", metadata={"help": "where each rank writes rank{r}.json"})
     lora: bool = field(default=False, metadata={"help": "train peft LoRA adapters on a frozen base"})
+    configurations: str = field(default="", metadata={"help": "a JSON list of argument lists, one run each"})
 
 
 class CpuFsdpTrainer(CpuFsdpMixin, Trainer):
@@ -58,8 +62,12 @@ def dataset(n: int = 32, seq: int = 12, vocab: int = 96) -> list[dict[str, torch
     return [{"input_ids": t, "labels": t} for t in tokens]
 
 
-def main() -> None:
-    script_args, training_args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()
+def train(parser: HfArgumentParser, argv: list[str]) -> None:
+    """One run: train, write this rank's record."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # as in a new process (module docstring)
+    script_args, training_args = parser.parse_args_into_dataclasses(argv)
     model = tiny_llama()
     if script_args.lora:
         model = with_lora(model)
@@ -69,6 +77,7 @@ def main() -> None:
     result = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "fsdp_enabled": trainer.is_fsdp_enabled,
+        "fsdp_enabled_on_cpu": trainer.fsdp_enabled_on_cpu,
         "model": implementation(wrapped),
         "argv0": sys.argv[0],
         "path0": sys.path[0],
@@ -77,6 +86,15 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     Path(script_args.out).mkdir(parents=True, exist_ok=True)
     (Path(script_args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = HfArgumentParser((ScriptArguments, TrainingArguments))
+    argv = sys.argv[1:]
+    script_args, _ = parser.parse_args_into_dataclasses(argv)
+    runs = json.loads(Path(script_args.configurations).read_text()) if script_args.configurations else [[]]
+    for extra in runs:
+        train(parser, [*argv, *extra])
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
