@@ -28,11 +28,10 @@ from .._units import parse_size
 from ..config import ConfigError, FSDPConfig
 from ..estimate import BREAKDOWN_KEYS, DEVICES, METHODS, OPTIMIZERS, MemoryEstimate, default_config, estimate_memory
 from ..estimate.common import default_seq, token_spec
-from ..estimate.finetune import FINETUNES, Finetune, plan_model, planned_factory
+from ..estimate.finetune import Finetune, plan_model, planned_factory
 from ..estimate.offload_budget import resolve_offload_budget
 from ..estimate.timing import GPUS, LINKS, Gpu, Link, StepTime, find_gpu, find_link
 from ..finetune.feasible import finetune_problems, refusal
-from ..finetune.lora import DEFAULT_TARGETS
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, non_negative_int, positive_int
 from .estimate_job import DATA_PLACEHOLDER, one_line, shown_command, train_arguments, write_config
@@ -48,7 +47,7 @@ from .estimate_search import (
 )
 from .estimate_text import answer_lines, recommendation, search_table, wrapped
 from .explain import build_on_meta, human_bytes, load_factory, placement_text
-from .finetune_args import check_feasible
+from .finetune_args import add_finetune_arguments, check_feasible, finetune_from_args
 from .offload_text import host_rows, machine_line, machine_record, nothing_fits
 from .validate import problems_table
 
@@ -94,17 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method", choices=METHODS, default=None, help="simulate (default) or analytic; --budget searches analytically"
     )
     parser.add_argument("--device", choices=DEVICES, default="cuda", help="the target: NCCL on CUDA, or gloo on CPU")
-    group = parser.add_argument_group("fine-tuning")
-    group.add_argument(
-        "--finetune",
-        choices=FINETUNES,
-        default=None,
-        help="what is trained: full, lora (adapters on a frozen bf16 base) or qlora (the base in NF4); default full, "
+    add_finetune_arguments(
+        parser,
+        "what is trained: full, lora (adapters on a frozen bf16 base) or qlora (the base in NF4); default full, "
         "and with --budget all three are searched",
-    )
-    group.add_argument("--lora-rank", type=positive_int, default=16, help="LoRA rank r (default 16)")
-    group.add_argument(
-        "--lora-targets", default=",".join(DEFAULT_TARGETS), help="Linear layer names that get adapters (comma list)"
     )
     speed = parser.add_argument_group("step time")
     speed.add_argument("--link", default=None, help=f"the GPUs' interconnect: {', '.join(LINKS)} (default nvlink4)")
@@ -196,11 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rank >= args.world_size:
         raise UsageError(f"argument --rank: must be < --world-size ({args.world_size}), got {args.rank}", prog=prog)
     link, gpu, hardware = _hardware(args)
-    try:
-        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-        finetune = Finetune(args.finetune or "full", args.lora_rank, targets)
-    except ValueError as exc:
-        raise UsageError(f"argument --lora-targets/--lora-rank: {exc}", prog=prog) from None
+    finetune = finetune_from_args(args, prog)  # the flags as explain reads them
     console = Console(stderr=args.json)  # --json: stdout holds the JSON object alone, the text goes to stderr
     factory = load_factory(args.model, prog=prog)
     model = build_on_meta(factory, args.model)  # a clear error now for a factory that does not build a module
