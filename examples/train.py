@@ -60,6 +60,7 @@ from torch.utils.data import DistributedSampler
 
 import fsdp2lite as fl
 from fsdp2lite import finetune
+from fsdp2lite._units import short_float
 from fsdp2lite.finetune import data
 from fsdp2lite.models import GPT, GPTConfig
 from fsdp2lite.quiet import quiet_known_noise, refuse
@@ -142,11 +143,6 @@ class _Defaults(argparse.HelpFormatter):
 LEARNING_RATES = {"full": 3e-3, "lora": finetune.ADAPTER_LR, "qlora": finetune.ADAPTER_LR}
 
 
-def _short(value: float) -> str:
-    """3e-3, not 0.003 or 3e-03."""
-    return f"{value:.0e}".replace("e-0", "e-")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="examples/train.py", description=__doc__.split("\n\n")[0], formatter_class=_Defaults)
     p.add_argument(
@@ -182,8 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lr",
         type=float,
         default=None,
-        help=f"peak learning rate (default: {_short(LEARNING_RATES['full'])} for --finetune full, "
-        f"{_short(LEARNING_RATES['lora'])} for lora and qlora); linear warmup, then cosine decay to a tenth",
+        help=f"peak learning rate (default: {short_float(LEARNING_RATES['full'])} for --finetune full, "
+        f"{short_float(LEARNING_RATES['lora'])} for lora and qlora); linear warmup, then cosine decay to a tenth",
     )
     p.add_argument("--warmup-steps", type=int, default=10, help="steps of linear warmup")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")

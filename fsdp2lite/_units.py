@@ -40,3 +40,8 @@ def human_bytes(nbytes: float) -> str:
             return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:,.1f} TiB"
+
+
+def short_float(value: float) -> str:
+    """A learning rate as people write it: ``2e-4``, not ``0.0002`` or ``2e-04``."""
+    return f"{value:.0e}".replace("e-0", "e-")

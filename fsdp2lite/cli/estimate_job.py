@@ -21,6 +21,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from .._units import short_float
 from ..config import FSDPConfig
 from ..config.minimal import check_minimal, minimal_yaml
 from ..finetune.lora import ADAPTER_LR
@@ -69,7 +70,7 @@ def train_arguments(
     )
     accum = grad_accum(run["global_batch"], batch, world)
     words += ["--batch", str(batch), *(["--seq", str(seq)] if seq else []), "--grad-accum", str(accum)]
-    words += ["--lr", _short(FULL_LR if kind == "full" else ADAPTER_LR), "--steps", str(run["steps"])]
+    words += ["--lr", short_float(FULL_LR if kind == "full" else ADAPTER_LR), "--steps", str(run["steps"])]
     every = max(1, round(CHECKPOINT_EVERY_S / max(choice["step_s"] * accum, 1e-9)))
     words += ["--checkpoint-dir", f"checkpoints/{Path(path).stem}", "--save-every", str(min(every, run["steps"]))]
     words += ["--resume", "latest"]
@@ -90,11 +91,6 @@ def model_words(model_spec: str) -> list[str]:
     if model_spec in TRAIN_PRESETS:
         return ["--model-config", model_spec]
     return ["--weights", f"PATH/TO/{model_spec.removeprefix('hf:')}"]
-
-
-def _short(value: float) -> str:
-    """2e-4, not 0.0002."""
-    return f"{value:.0e}".replace("e-0", "e-")
 
 
 def one_line(words: list[str]) -> str:

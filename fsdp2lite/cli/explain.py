@@ -34,7 +34,7 @@ from ..finetune.sharding import finetune_config
 from ._args import UsageError, positive_int
 from .explain_plan import Explanation, GroupRow, GroupRun, collapse_rows, explain_config, rule_classes, rule_label
 from .explain_view import placement_text, show_explanation
-from .finetune_args import add_finetune_arguments, check_feasible, check_targets, finetune_from_args
+from .finetune_args import add_finetune_arguments, check_feasible, finetune_from_args
 from .model_spec import build_on_meta, load_factory
 from .validate import problems_table
 
@@ -110,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     inputs = load_factory(args.inputs, _PROG, "--inputs") if args.inputs else None
     console = Console()
     model = build_on_meta(factory, args.model)
-    check_targets(model, finetune, args.model, _PROG)  # before the config: one refusal, the one estimate gives
     try:
         config = FSDPConfig.from_yaml(args.config) if args.config else default_config(model)
     except ConfigError as exc:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..estimate.finetune import FINETUNES, Finetune
 from ..finetune.feasible import check_finetune
-from ..finetune.lora import DEFAULT_TARGETS, targets_problem
+from ..finetune.lora import DEFAULT_TARGETS
 from ._args import UsageError, positive_int
 
 DEFAULT_RANK = Finetune().rank
@@ -39,14 +39,6 @@ def finetune_from_args(args: argparse.Namespace, prog: str) -> Finetune:
         return Finetune(args.finetune or "full", rank, targets)
     except ValueError as exc:
         raise UsageError(f"argument --lora-targets/--lora-rank: {exc}", prog=prog) from None
-
-
-def check_targets(model: nn.Module, finetune: Finetune, spec: str, prog: str) -> None:
-    """For lora/qlora: every target names a Linear layer of ``model``; otherwise a ``UsageError`` listing
-    the ones it has (``spec``: the ``--model`` given)."""
-    problem = targets_problem(model, finetune.targets) if finetune.adapters else None
-    if problem is not None:
-        raise UsageError(f"cannot plan {spec}: --finetune {finetune.kind}: {problem}", prog=prog)
 
 
 def check_feasible(model: nn.Module, finetune: Finetune, spec: str, prog: str, shard: int) -> None:
