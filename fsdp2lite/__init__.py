@@ -8,7 +8,7 @@ fl.fully_shard(model)
 
 from __future__ import annotations
 
-from ._runtime.extension import AllGatherInput
+from ._runtime.extension_inputs import AllGatherInput
 from .api import fully_shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config

@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from ._runtime.group import FSDPParamGroup
 from ._runtime.host_masters import HostMasters, HostSync
-from ._runtime.param import ParamPolicy, ShardStorage
+from ._runtime.param import ShardStorage
+from ._runtime.param_policy import ParamPolicy
 from ._runtime.replicas import ReplicaPieces, ReplicaSync
 from ._runtime.zero import Resident, watch_optimizer_steps
 from .host.nvme import make_nvme_state

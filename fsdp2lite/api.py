@@ -36,7 +36,8 @@ from ._precision import OverrideFn, resolve_overrides
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
-from ._runtime.param import FSDPParam, ParamPlace, ParamPolicy
+from ._runtime.param import FSDPParam
+from ._runtime.param_policy import ParamPlace, ParamPolicy
 from ._snapshot import ModuleSnapshot, all_modules
 from ._stages import apply_sharding, param_storage
 from .host import HostEngine

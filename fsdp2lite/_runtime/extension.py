@@ -7,18 +7,18 @@ The subclass defines two methods, as with torch's ``fully_shard``:
     fsdp_pre_all_gather(mesh[, outer_size, outer_stride, module, mp_policy]) -> (inputs, metadata)
     fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None) -> (unsharded, inner_tensors) | None
 
-Per unshard, ``pre`` is called on this rank's padded shard (torch calls it on the unpadded shard and
-requires padded inputs back when the shard is uneven, which a hook with per-row scales cannot give);
-its ``inputs`` (plain tensors, or records of them: [Note: all-gather input records]) join the group's one
-collective as bytes ([Note: byte all-gather] in gather.py), so a group of NF4 weights and bf16 norms
-is still one all-gather, and 1-byte dtypes (int8, float8) cross gloo as uint8. The gathered bytes land in
-this parameter's own output buffers, one per input, ``(shard_size * numel,)`` in the input's dtype, made
-once and kept across steps (their storage freed at reshard, given back at unshard). ``post`` then sees
-each output in its gathered shape (``(shard_size * rows, *rest)`` for a plain tensor): the first time it
-builds the unsharded tensor (torchao's NF4 builds it on those very buffers), later it refills it in place
-(``out=``), so the Parameter object autograd and the modules hold stays the same. Dim-0 sharding only,
-no tensor parallelism or quantized all-gather (each refused, naming the parameter); CPU offload is
-supported: [Note: offloaded hooked parameters].
+Per unshard, ``pre`` is called on this rank's padded shard (torch calls it on the unpadded shard and requires
+padded inputs back when the shard is uneven, which a hook with per-row scales cannot give); its ``inputs``
+(plain tensors, or records of them: [Note: all-gather input records] in extension_inputs.py) join the group's
+one collective as bytes ([Note: byte all-gather] in gather.py), so a group of NF4 weights and bf16 norms is
+still one all-gather, and 1-byte dtypes (int8, float8) cross gloo as uint8. The gathered bytes land in this
+parameter's own output buffers, one per input, ``(shard_size * numel,)`` in the input's dtype, made once and
+kept across steps (their storage freed at reshard, given back at unshard). ``post`` then sees each output in
+its gathered shape (``(shard_size * rows, *rest)`` for a plain tensor): the first time it builds the unsharded
+tensor (torchao's NF4 builds it on those very buffers), later it refills it in place (``out=``), so the
+Parameter object autograd and the modules hold stays the same. Dim-0 sharding only, no tensor parallelism or
+quantized all-gather (each refused, naming the parameter); CPU offload is supported:
+[Note: offloaded hooked parameters].
 
 [Note: offloaded hooked parameters]
 Under ``CPUOffloadPolicy`` the padded shard of a hooked parameter lives on the host like any other
@@ -43,54 +43,20 @@ two attribute reads per parameter; only when the hooks' functions change is the 
 re-derived. A hook bound to the local tensor is called as a method of the padded shard (the local
 tensor is a view of its first rows), and hooks set on a local tensor that ``to_empty`` or
 ``load_state_dict(assign=True)`` replaced follow it to the new one.
-
-[Note: all-gather input records]
-An input may be ``AllGatherInput(tensor, dim=0, output_size=None)`` (torch's record after 2.13, here as
-``fsdp2lite.AllGatherInput``; any object with a ``tensor`` attribute and optional ``dim`` and
-``output_size`` reads the same): each rank's ``tensor`` is concatenated along ``dim`` in its own shape (a
-scalar as shape (1,)), and ``post`` sees the result viewed as ``output_size`` (default: the concatenated
-shape). The collective is rank-major, so an input gathered along dim d with leading dims of product
-``outer`` > 1 is copied out to a staging buffer and reassembled into its output buffer, one strided copy:
-
-    tensor (2, 3) per rank, dim=1, 2 ranks: rank0 [[a b c], [d e f]], rank1 [[g h i], [j k l]]
-    all-gather -> [a b c d e f | g h i j k l]  viewed (ranks 2, outer 2, inner 3)
-    transpose(0, 1) -> output [[a b c g h i], [d e f j k l]]  = torch.cat(tensors, dim=1)
-
-A plain tensor is gathered along dim 0 (``(shard_size * rows, *rest)``, no reassembly). Each rank's
-inputs must have the same shapes and dtypes; unlike plain tensors, records carry no padding rule.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import types
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .extension_inputs import PayloadLayout, check_pre_result, payload_layout
+
 HOOK_NAMES = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
-
-
-@dataclass(frozen=True)
-class AllGatherInput:
-    """One input of ``fsdp_pre_all_gather``: ``tensor`` concatenated across ranks along ``dim``, handed
-    to ``fsdp_post_all_gather`` viewed as ``output_size`` (default: the concatenated shape). torch's
-    record of the same name (newer than torch 2.13); any object with these attributes is read alike:
-    [Note: all-gather input records] in ``fsdp2lite/_runtime/extension.py``."""
-
-    tensor: torch.Tensor
-    dim: int = 0
-    output_size: tuple[int, ...] | None = None
-
-
-class PayloadLayout(NamedTuple):
-    """How one all-gather input comes back ([Note: all-gather input records])."""
-
-    outer: int  # product of the input's dims before its gather dim: > 1 means reassembly after the copy-out
-    output_size: torch.Size  # what fsdp_post_all_gather sees
 
 
 def has_extension(local: torch.Tensor) -> bool:
@@ -229,7 +195,7 @@ class AllGatherExtension:
             result = pre(mesh)
         else:
             result = pre(mesh, shape, contiguous_stride(shape), module, mp_policy)
-        payloads, self.metadata = _check_pre_result(result, self.fqn)
+        payloads, self.metadata = check_pre_result(result, self.fqn)
         self.group_size = mesh.size()
         tensors, self.layouts = [], []
         for index, payload in enumerate(payloads):
@@ -251,7 +217,8 @@ class AllGatherExtension:
 
     def output_views(self, group_size: int) -> list[torch.Tensor]:
         """Each input's copy-out target as ``(group_size, bytes per rank)`` uint8: its output buffer, or for
-        an input gathered along an inner dim a staging buffer ([Note: all-gather input records])."""
+        an input gathered along an inner dim a staging buffer ([Note: all-gather input records] in
+        extension_inputs.py)."""
         self.staging = [None] * len(self.outputs)
         views = []
         for index, (output, layout) in enumerate(zip(self.outputs, self.layouts)):
@@ -308,50 +275,6 @@ class AllGatherExtension:
         """Reshard: the output buffers and the tensors post_all_gather named give their memory back."""
         for tensor in (*self.outputs, *self.inner_tensors):
             tensor.untyped_storage().resize_(0)
-
-
-def _check_pre_result(result: Any, fqn: str) -> tuple[list[Any], Any]:
-    paired = isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple | list)
-    if not paired or not result[0]:
-        got = "no inputs" if paired else type(result).__name__
-        raise ValueError(
-            f"parameter '{fqn}': fsdp_pre_all_gather must return (inputs, metadata), inputs a non-empty tuple of "
-            f"plain tensors or AllGatherInput records, got {got}"
-        )
-    return list(result[0]), result[1]
-
-
-def payload_layout(payload: Any, index: int, group_size: int, fqn: str) -> tuple[torch.Tensor, PayloadLayout]:
-    """One pre-all-gather input's tensor and how it comes back: a plain tensor along dim 0, a record
-    (``tensor``, ``dim``, ``output_size``) as it says ([Note: all-gather input records])."""
-    record = not isinstance(payload, torch.Tensor)
-    tensor = getattr(payload, "tensor", None) if record else payload
-    what = f"parameter '{fqn}': fsdp_pre_all_gather's input {index}"
-    if type(tensor) is not torch.Tensor:
-        got = type(payload).__name__ if not record else f"{type(payload).__name__} with tensor {type(tensor).__name__}"
-        raise ValueError(
-            f"{what} must be a plain tensor or an AllGatherInput(tensor, dim, output_size) of one, got {got}"
-        )
-    size = tensor.shape or torch.Size((1,))  # a scalar gathers as shape (1,)
-    dim = getattr(payload, "dim", 0) if record else 0
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -len(size) <= dim < len(size):
-        raise ValueError(
-            f"{what} has dim {dim!r} for a tensor of shape {tuple(size)}; valid: -{len(size)} to {len(size) - 1}"
-        )
-    dim %= len(size)
-    gathered = torch.Size((*size[:dim], group_size * size[dim], *size[dim + 1 :]))
-    requested = getattr(payload, "output_size", None) if record else None
-    if requested is not None and not (
-        isinstance(requested, tuple | list) and all(isinstance(s, int) and s >= 0 for s in requested)
-    ):
-        raise ValueError(f"{what} has output_size {requested!r}; expected None or a tuple of sizes >= 0")
-    output_size = gathered if requested is None else torch.Size(requested)
-    if output_size.numel() != gathered.numel():
-        raise ValueError(
-            f"{what} has output_size {tuple(output_size)} ({output_size.numel()} elements), but {group_size} ranks' "
-            f"{tuple(size)} gathered along dim {dim} are {tuple(gathered)} ({gathered.numel()} elements)"
-        )
-    return tensor, PayloadLayout(math.prod(size[:dim]) if tensor.numel() else 1, output_size)
 
 
 def ensure_allocated(tensor: torch.Tensor) -> None:

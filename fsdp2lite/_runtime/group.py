@@ -24,13 +24,13 @@ from .identity import register_group
 from .param import FSDPParam
 from .reduce import ReduceScatterResult
 from .seams import GroupStorage, HostSide
-from .states import ShardedState, TrainingState
+from .states import GroupStates, ShardedState, TrainingState
 from .trace import Meters
 
 
-class FSDPParamGroup(GroupChoices):
+class FSDPParamGroup(GroupChoices, GroupStates):
     """The parameters of one fully_shard call and their collectives (the settings that choose its forms:
-    ``GroupChoices``, choices.py)."""
+    ``GroupChoices``, choices.py; its sharded-state machine: ``GroupStates``, states.py)."""
 
     name: str  # module path from the root ("" for the root), set at lazy init
     modules: tuple[nn.Module, ...]
@@ -218,47 +218,6 @@ class FSDPParamGroup(GroupChoices):
     def _reshards_after_this_forward(self) -> bool:
         """A forward with autograd on will shrink this group to its post-forward group afterwards."""
         return self.reshard_after_forward and self.training_state is TrainingState.FORWARD and torch.is_grad_enabled()
-
-    # ---- the sharded-state machine: the only writers of sharded_state ------------------------
-    def _to_unsharded(self, kept: Regather | None = None) -> None:
-        """SHARDED or SHARDED_POST_FORWARD -> UNSHARDED: the filled unsharded parameters on the modules
-        (``kept``: what a byte group keeps for its post-forward regather)."""
-        self._leave(ShardedState.UNSHARDED, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
-        for param in self.params:
-            param.to_unsharded()
-        self.regather = None  # consumed: [Note: buffer lifetime]
-        self.post_forward_kept = kept
-        self.sharded_state = ShardedState.UNSHARDED
-        for storage in self.storages:
-            storage.gathered()
-
-    def _to_sharded(self, keep: bool) -> None:
-        """UNSHARDED or SHARDED_POST_FORWARD -> SHARDED: the DTensors on the modules, the unsharded storage
-        freed (``keep``: a resident group's stays); or SHARDED -> SHARDED freeing a resident group's storage."""
-        allowed: tuple[ShardedState, ...] = (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD)
-        if self.keeps_unsharded and not keep:
-            allowed = (*allowed, ShardedState.SHARDED)
-        self._leave(ShardedState.SHARDED, *allowed)
-        for param in self.params:
-            param.to_sharded(keep)
-        self.regather = self.post_forward_kept = None
-        self.sharded_state = ShardedState.SHARDED
-
-    def _to_sharded_post_forward(self, regather: Regather) -> None:
-        """UNSHARDED -> SHARDED_POST_FORWARD: only this rank's chunks over the post-forward group kept."""
-        self._leave(ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED)
-        for param in self.params:
-            param.to_sharded()
-        self.regather, self.post_forward_kept = regather, None
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
-
-    def _leave(self, target: ShardedState, *allowed: ShardedState) -> None:
-        """Check that the group may go to ``target`` from where it is (an internal invariant)."""
-        if self.sharded_state not in allowed:
-            raise RuntimeError(
-                f"{self}: cannot go from {self.sharded_state.name} to {target.name} "
-                f"(only from {', '.join(state.name for state in allowed)})"
-            )
 
     # ---- phases ---------------------------------------------------------------------------
     def pre_forward(self) -> None:

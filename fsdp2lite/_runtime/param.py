@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -49,35 +48,15 @@ from .extension import (
 from .grads import GradientState
 from .hook_state import HookState
 from .identity import original_uid
+from .param_policy import ParamPlace, ParamPolicy
 from .pinned import host_buffer
 from .unsharded import UnshardedState, make_dtensor
-
-
-@dataclass(frozen=True)
-class ParamPolicy:
-    """The resolved policies one parameter runs under (from MixedPrecisionPolicy/OffloadPolicy)."""
-
-    param_dtype: torch.dtype | None  # unsharded/all-gather dtype; None keeps the parameter's own
-    reduce_dtype: torch.dtype | None  # reduce-scatter dtype; None uses the param dtype
-    offload_to_cpu: bool  # sharded parameters and gradients live on CPU
-    pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
-    host_masters: bool = False  # optimizer_only: shards on the device, masters on the host ([Note: host masters])
-    nvme_path: str | None = None  # optimizer state in files there between steps ([Note: optimizer state on NVMe])
-
 
 # [Note: frozen]
 # Whether a parameter trains is the sharded parameter's ``requires_grad``, read when it is needed: the
 # unsharded parameter (what autograd sees) takes the value at every unshard, and the reduce-scatter
 # takes gradients of trainable parameters only. So ``requires_grad_(False)`` on a sharded parameter,
 # before the first forward or between steps, freezes it: no gradient, nothing for the optimizer.
-
-
-@dataclass(frozen=True)
-class ParamPlace:
-    """One place a parameter is registered: ``module.<name>`` (tied parameters have several)."""
-
-    module: nn.Module
-    name: str
 
 
 class ShardStorage:

@@ -1,14 +1,20 @@
-"""The two state machines of the runtime, as enums.
+"""The two state machines of the runtime: their states, and the transitions of the sharded one.
 
 ``TrainingState`` says which phase of a step a group is in; ``ShardedState`` says where a group's
 parameters currently live (one state for the group and its parameters). ``ShardedState`` changes only in
-the group's ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward``, each of which checks the
-state it leaves and raises naming both.
+the group's ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward`` (``GroupStates``, a base of
+the group), each of which checks the state it leaves and raises naming both.
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .gather import Regather
+    from .param import FSDPParam
+    from .seams import GroupStorage
 
 
 class TrainingState(Enum):
@@ -26,3 +32,55 @@ class ShardedState(Enum):
     SHARDED = auto()  # only the padded local shard exists; modules hold the DTensor parameters
     SHARDED_POST_FORWARD = auto()  # also a chunk over a smaller group, kept for backward (int reshard)
     UNSHARDED = auto()  # full parameters allocated and registered on the modules
+
+
+class GroupStates:
+    """The sharded-state machine of a group (a base of ``FSDPParamGroup``): the only writers of
+    ``sharded_state``, each checking the state it leaves."""
+
+    params: tuple[FSDPParam, ...]
+    storages: tuple[GroupStorage, ...]
+    keeps_unsharded: bool
+    sharded_state: ShardedState
+    regather: Regather | None
+    post_forward_kept: Regather | None
+
+    def _to_unsharded(self, kept: Regather | None = None) -> None:
+        """SHARDED or SHARDED_POST_FORWARD -> UNSHARDED: the filled unsharded parameters on the modules
+        (``kept``: what a byte group keeps for its post-forward regather)."""
+        self._leave(ShardedState.UNSHARDED, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
+        for param in self.params:
+            param.to_unsharded()
+        self.regather = None  # consumed: [Note: buffer lifetime]
+        self.post_forward_kept = kept
+        self.sharded_state = ShardedState.UNSHARDED
+        for storage in self.storages:
+            storage.gathered()
+
+    def _to_sharded(self, keep: bool) -> None:
+        """UNSHARDED or SHARDED_POST_FORWARD -> SHARDED: the DTensors on the modules, the unsharded storage
+        freed (``keep``: a resident group's stays); or SHARDED -> SHARDED freeing a resident group's storage."""
+        allowed: tuple[ShardedState, ...] = (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD)
+        if self.keeps_unsharded and not keep:
+            allowed = (*allowed, ShardedState.SHARDED)
+        self._leave(ShardedState.SHARDED, *allowed)
+        for param in self.params:
+            param.to_sharded(keep)
+        self.regather = self.post_forward_kept = None
+        self.sharded_state = ShardedState.SHARDED
+
+    def _to_sharded_post_forward(self, regather: Regather) -> None:
+        """UNSHARDED -> SHARDED_POST_FORWARD: only this rank's chunks over the post-forward group kept."""
+        self._leave(ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED)
+        for param in self.params:
+            param.to_sharded()
+        self.regather, self.post_forward_kept = regather, None
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _leave(self, target: ShardedState, *allowed: ShardedState) -> None:
+        """Check that the group may go to ``target`` from where it is (an internal invariant)."""
+        if self.sharded_state not in allowed:
+            raise RuntimeError(
+                f"{self}: cannot go from {self.sharded_state.name} to {target.name} "
+                f"(only from {', '.join(state.name for state in allowed)})"
+            )
