@@ -21,12 +21,17 @@ this measures the same gap on any machine, without a GPU.
 How to run (about 1-2 minutes on 2 CPU cores with the defaults):
     .venv/bin/python benchmarks/bench_host.py [--world-size 8] [--layers 16] [--d-model 256]
         [--seq-len 256] [--batch 2] [--steps 12] [--warmup 3] [--device cpu|cuda]
-        [--profile] [--op-times] [--out-dir benchmarks/results] [--no-save]
+        [--profile] [--op-times] [--bound] [--out-dir benchmarks/results] [--no-save]
 ``--device cuda`` (on a machine with CUDA) makes the fake tensors CUDA tensors, so fsdp2lite runs its
 CUDA path (side streams, events) with nothing computed. ``--profile`` adds, per library, cProfile's
 top functions by cumulative time over a few more steps; ``--op-times`` a table of the op kinds fsdp2lite
 spends the most host time in beyond the unsharded floor's (ms and calls per step: where the rest of the gap
-is). Prints a rich table and, last, one JSON line; unless ``--no-save``, writes
+is); ``--bound`` times fsdp2lite's all-gathers alone (each group's ``unshard()`` then ``reshard()``, in the
+order one step issues them, steps interleaved with the others): the ops the tests pin per unshard
+(``tests/test_copy_out_views.py``: ``empty``, ``slice``, ``cat``, the all-gather, ``view``,
+``split_with_sizes_copy``) and nothing else of a step, so the floor plus that path over torch's step is the
+best ratio a runtime keeping those ops could reach here. Prints a rich table and, last, one JSON line; unless
+``--no-save``, writes
 ``<out-dir>/host-<device>-<YYYYmmdd-HHMMSS>.json`` and ``.md``.
 """
 
@@ -62,6 +67,7 @@ from fsdp2lite.models import GPT, GPTConfig
 
 LIBRARIES = ("fsdp2lite", "torch")
 FLOOR = "unsharded"  # the same model, fp32, no FSDP: what its own ops cost (not a rival)
+GATHERS = "all-gathers"  # fsdp2lite's all-gathers alone, as one step issues them (not a rival): --bound
 TARGET = 0.9  # fsdp2lite's host time per step at most 0.9x torch's (issue 10)
 
 
@@ -105,6 +111,23 @@ def step_fn(model: GPT, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) 
     return step
 
 
+def gather_path(model: GPT, step: Callable[[], None]) -> tuple[Callable[[], None], list[str]]:
+    """fsdp2lite's all-gathers alone, as one ``step`` issues them: the groups in the order their
+    ``all_gather_issue`` events come (``fl.record_trace``), each one's ``unshard()`` then ``reshard()``.
+    Returns that step and the groups' names, one per all-gather."""
+    with fl.record_trace(model) as recorder:
+        step()
+    names = [event.group for event in recorder.events if event.name == "all_gather_issue"]
+    modules = [model if name == "<root>" else model.get_submodule(name) for name in names]
+
+    def gathers() -> None:
+        for module in modules:
+            module.unshard()
+            module.reshard()
+
+    return gathers, names
+
+
 def time_interleaved(steps: dict[str, Callable[[], None]], warmup: int, count: int) -> dict[str, list[float]]:
     """Seconds per step of each library; the order alternates every step so drift hits both alike."""
     for _ in range(warmup):
@@ -144,8 +167,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         models[FLOOR] = _unsharded(cfg, args.device)
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device=args.device)
         steps = {name: step_fn(model, opt, tokens) for name, (model, opt) in models.items()}
+        gather_names: list[str] = []
+        if args.bound:
+            steps[GATHERS], gather_names = gather_path(models["fsdp2lite"][0], steps["fsdp2lite"])
         times = time_interleaved(steps, args.warmup, args.steps)
         floor = times.pop(FLOOR)
+        gathers = times.pop(GATHERS, [])
+        gather_ops = count_ops(steps[GATHERS]) if args.bound else {}
         ops = {name: count_ops(steps[name]) for name in LIBRARIES}
         profiles = {name: profile_table(step, 3) for name, step in steps.items()} if args.profile else {}
         op_times = over_floor(time_ops(steps["fsdp2lite"], 3), time_ops(steps[FLOOR], 3)) if args.op_times else []
@@ -170,6 +198,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "target": {"limit": TARGET, "ok": statistics.median(ratios) <= TARGET},
         "profiles": profiles,
         "op_ms_over_floor": op_times,
+        "bound": bound(floor, gathers, times["torch"], gather_names, gather_ops) if args.bound else None,
+    }
+
+
+def bound(
+    floor: list[float], gathers: list[float], torch_times: list[float], names: list[str], ops: Any
+) -> dict[str, Any]:
+    """The floor plus fsdp2lite's all-gather path, step by step, over torch's step: the best ratio a runtime
+    that keeps those ops could reach on this benchmark (``--bound``)."""
+    ratios = [(f + g) / t for f, g, t in zip(floor, gathers, torch_times, strict=True)]
+    return {
+        "all_gathers_per_step": len(names),
+        "groups": names,
+        "all_gather_path_ms": [1e3 * g for g in gathers],
+        "all_gather_path_ms_median": 1e3 * statistics.median(gathers),
+        "ops_per_step": dict(ops),
+        "ratio_floor_plus_all_gathers_vs_torch": statistics.median(ratios),
     }
 
 
@@ -207,6 +252,22 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
         f"{FLOOR} (floor)", f"{statistics.median(floor):.1f}", f"{min(floor):.1f}", f"{max(floor):.1f}",
         f"{result['ratio_unsharded_vs_torch']:.3f}", "",
     ])  # fmt: skip
+    if result["bound"] is not None:
+        path = result["bound"]
+        ms = path["all_gather_path_ms"]
+        out.append(
+            [
+                f"fsdp2lite's {path['all_gathers_per_step']} all-gathers alone",
+                f"{statistics.median(ms):.1f}",
+                f"{min(ms):.1f}",
+                f"{max(ms):.1f}",
+                "",
+                str(sum(path["ops_per_step"].values())),
+            ]
+        )
+        out.append(
+            ["floor + those all-gathers", "", "", "", f"{path['ratio_floor_plus_all_gathers_vs_torch']:.3f}", ""]
+        )
     return out
 
 
@@ -228,8 +289,22 @@ def verdict(result: dict[str, Any]) -> str:
     )
 
 
+def bound_line(result: dict[str, Any]) -> str:
+    """What ``--bound`` found, in words ("" without it)."""
+    path = result["bound"]
+    if path is None:
+        return ""
+    ops = ", ".join(f"{name} {count}" for name, count in sorted(path["ops_per_step"].items()))
+    return (
+        f"bound: the floor plus fsdp2lite's {path['all_gathers_per_step']} all-gathers alone (ops per step: {ops}) "
+        f"= {path['ratio_floor_plus_all_gathers_vs_torch']:.3f} of torch's step (median of per-step ratios)"
+    )
+
+
 def markdown(result: dict[str, Any], env: dict[str, Any]) -> str:
     body = f"# bench_host\n\n{title(result)}\n\n" + markdown_table(COLUMNS, rows(result)) + f"\n- {verdict(result)}\n"
+    if result["bound"] is not None:
+        body += f"- {bound_line(result)}\n"
     for name, text in result["profiles"].items():
         body += f"\n## cProfile, {name} (3 steps)\n\n```\n{text.strip()}\n```\n"
     if result["op_ms_over_floor"]:
@@ -258,6 +333,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--wrap", choices=("blocks", "torchtitan"), default="blocks",
         help="groups: per block then the root, or torchtitan's (the embedding alone, blocks, norm + head, root)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="also time fsdp2lite's all-gathers alone: the floor plus them over torch bounds the ratio",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
@@ -289,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(f"  {verdict(result)}", highlight=False, markup=False)
+    if result["bound"] is not None:
+        console.print(f"  {bound_line(result)}", highlight=False, markup=False)
     for name, text in result["profiles"].items():
         console.print(f"\ncProfile, {name} (3 steps):\n{text}", highlight=False, markup=False)
     if result["op_ms_over_floor"]:
