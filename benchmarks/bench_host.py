@@ -26,12 +26,13 @@ How to run (about 1-2 minutes on 2 CPU cores with the defaults):
 CUDA path (side streams, events) with nothing computed. ``--profile`` adds, per library, cProfile's
 top functions by cumulative time over a few more steps; ``--op-times`` a table of the op kinds fsdp2lite
 spends the most host time in beyond the unsharded floor's (ms and calls per step: where the rest of the gap
-is); ``--bound`` times fsdp2lite's all-gathers alone (each group's ``unshard()`` then ``reshard()``, in the
-order one step issues them, timed interleaved with torch's step and the floor's after the main timing): the
-ops the tests pin per unshard (``tests/test_copy_out_views.py``: ``empty``, ``slice``, ``cat``, the
-all-gather, ``view``, ``split_with_sizes_copy``) and nothing else of a step, so the floor plus that path over
-torch's step is the best ratio a runtime keeping those ops could reach here. Prints a rich table and, last,
-one JSON line; unless ``--no-save``, writes ``<out-dir>/host-<device>-<YYYYmmdd-HHMMSS>.json`` and ``.md``.
+is); ``--bound`` times fsdp2lite's collectives alone, after the main timing, interleaved with torch's step and
+the floor's: each group's all-gather as the runtime does it (``unshard()`` then ``reshard()``, in the order
+one step issues them), which dispatches the ops the tests pin per unshard (``tests/test_copy_out_views.py``:
+``empty``, ``slice``, ``cat``, the all-gather, ``view``, ``split_with_sizes_copy``) and nothing else, then
+each of the step's reduce-scatters as the bare collective; the floor plus those over torch's step is the best
+ratio a runtime keeping them could reach here. Prints a rich table and, last, one JSON line; unless
+``--no-save``, writes ``<out-dir>/host-<device>-<YYYYmmdd-HHMMSS>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp2lite as fl
 from fsdp2lite.models import GPT, GPTConfig
 
 LIBRARIES = ("fsdp2lite", "torch")
 FLOOR = "unsharded"  # the same model, fp32, no FSDP: what its own ops cost (not a rival)
-GATHERS = "all-gathers"  # fsdp2lite's all-gathers alone, as one step issues them (not a rival): --bound
+COLLECTIVES = "collectives"  # fsdp2lite's collectives alone, as one step issues them (not a rival): --bound
+# torch 2.13 renamed the flat reduce-scatter (the old name warns); torch 2.11-2.12 only have the old one.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TARGET = 0.9  # fsdp2lite's host time per step at most 0.9x torch's (issue 10)
 
 
@@ -110,21 +114,41 @@ def step_fn(model: GPT, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) 
     return step
 
 
-def gather_path(model: GPT, step: Callable[[], None]) -> tuple[Callable[[], None], list[str]]:
-    """fsdp2lite's all-gathers alone, as one ``step`` issues them: the groups in the order their
-    ``all_gather_issue`` events come (``fl.record_trace``), each one's ``unshard()`` then ``reshard()``.
-    Returns that step and the groups' names, one per all-gather."""
-    with fl.record_trace(model) as recorder:
+class ReduceScatters(TorchDispatchMode):
+    """Records the buffers (shape, dtype) of every reduce-scatter dispatched while active, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: list[tuple[torch.Size, torch.Size, torch.dtype]] = []  # (output, input, dtype)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func._schema.name == "c10d::_reduce_scatter_base_":
+            self.buffers.append((args[0].shape, args[1].shape, args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def collectives_path(model: GPT, step: Callable[[], None], device: str) -> tuple[Callable[[], None], dict[str, Any]]:
+    """fsdp2lite's collectives alone, as one ``step`` issues them: each group's all-gather as the runtime does it
+    (``unshard()`` then ``reshard()``: the ops the tests pin per unshard), in the order of the step's
+    ``all_gather_issue`` events (``fl.record_trace``), then each reduce-scatter as the bare collective on buffers
+    of the step's sizes, made once. Returns that step and what it replays."""
+    with fl.record_trace(model) as recorder, ReduceScatters() as reduces:
         step()
     names = [event.group for event in recorder.events if event.name == "all_gather_issue"]
     modules = [model if name == "<root>" else model.get_submodule(name) for name in names]
+    buffers = [
+        (torch.empty(out, dtype=dtype, device=device), torch.empty(inp, dtype=dtype, device=device))
+        for out, inp, dtype in reduces.buffers
+    ]
 
-    def gathers() -> None:
+    def collectives() -> None:
         for module in modules:
             module.unshard()
             module.reshard()
+        for output, flat in buffers:
+            reduce_scatter(output, flat)
 
-    return gathers, names
+    return collectives, {"all_gathers": names, "reduce_scatter_bytes": [flat.nbytes for _, flat in buffers]}
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], warmup: int, count: int) -> dict[str, list[float]]:
@@ -198,22 +222,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_bound(model: GPT, steps: dict[str, Callable[[], None]], args: argparse.Namespace) -> dict[str, Any]:
-    """``--bound``: fsdp2lite's all-gather path timed in a second interleaving, with torch's step and the floor's
-    (inside the first, it moved fsdp2lite's own ratio: 0.81 where it is 0.75 alone).
-    The floor plus that path, step by step, over torch's step is the best ratio a runtime that keeps those ops
-    could reach on this benchmark."""
-    gathers, names = gather_path(model, steps["fsdp2lite"])
-    times = time_interleaved({"torch": steps["torch"], FLOOR: steps[FLOOR], GATHERS: gathers}, 1, args.steps)
-    ratios = [(f + g) / t for f, g, t in zip(times[FLOOR], times[GATHERS], times["torch"], strict=True)]
+    """``--bound``: fsdp2lite's collectives timed in a second interleaving, with torch's step and the floor's
+    (inside the first, they moved fsdp2lite's own ratio: 0.81 where it is 0.75 alone). The floor plus them,
+    step by step, over torch's step is the best ratio a runtime that keeps those ops could reach here."""
+    collectives, replayed = collectives_path(model, steps["fsdp2lite"], args.device)
+    times = time_interleaved({"torch": steps["torch"], FLOOR: steps[FLOOR], COLLECTIVES: collectives}, 1, args.steps)
+    ratios = [(f + c) / t for f, c, t in zip(times[FLOOR], times[COLLECTIVES], times["torch"], strict=True)]
     return {
-        "all_gathers_per_step": len(names),
-        "groups": names,
-        "all_gather_path_ms": [1e3 * g for g in times[GATHERS]],
-        "all_gather_path_ms_median": 1e3 * statistics.median(times[GATHERS]),
+        **replayed,
+        "collectives_ms": [1e3 * c for c in times[COLLECTIVES]],
         "torch_ms": [1e3 * t for t in times["torch"]],
         "unsharded_ms": [1e3 * f for f in times[FLOOR]],
-        "ops_per_step": dict(count_ops(gathers)),
-        "ratio_floor_plus_all_gathers_vs_torch": statistics.median(ratios),
+        "ops_per_step": dict(count_ops(collectives)),
+        "ratio_floor_plus_collectives_vs_torch": statistics.median(ratios),
     }
 
 
@@ -253,10 +274,10 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     ])  # fmt: skip
     if result["bound"] is not None:
         path = result["bound"]
-        ms = path["all_gather_path_ms"]
+        ms = path["collectives_ms"]
         out.append(
             [
-                f"fsdp2lite's {path['all_gathers_per_step']} all-gathers alone",
+                f"fsdp2lite's collectives alone: {collectives_in(path)}",
                 f"{statistics.median(ms):.1f}",
                 f"{min(ms):.1f}",
                 f"{max(ms):.1f}",
@@ -265,7 +286,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
             ]
         )
         out.append(
-            ["floor + those all-gathers", "", "", "", f"{path['ratio_floor_plus_all_gathers_vs_torch']:.3f}", ""]
+            ["floor + those collectives", "", "", "", f"{path['ratio_floor_plus_collectives_vs_torch']:.3f}", ""]
         )
     return out
 
@@ -288,6 +309,10 @@ def verdict(result: dict[str, Any]) -> str:
     )
 
 
+def collectives_in(path: dict[str, Any]) -> str:
+    return f"{len(path['all_gathers'])} all-gathers, {len(path['reduce_scatter_bytes'])} reduce-scatters"
+
+
 def bound_line(result: dict[str, Any]) -> str:
     """What ``--bound`` found, in words ("" without it)."""
     path = result["bound"]
@@ -295,8 +320,8 @@ def bound_line(result: dict[str, Any]) -> str:
         return ""
     ops = ", ".join(f"{name} {count}" for name, count in sorted(path["ops_per_step"].items()))
     return (
-        f"bound: the floor plus fsdp2lite's {path['all_gathers_per_step']} all-gathers alone (ops per step: {ops}) "
-        f"= {path['ratio_floor_plus_all_gathers_vs_torch']:.3f} of torch's step (median of per-step ratios)"
+        f"bound: the floor plus fsdp2lite's {collectives_in(path)} alone (ops per step: {ops}) "
+        f"= {path['ratio_floor_plus_collectives_vs_torch']:.3f} of torch's step (median of per-step ratios)"
     )
 
 
@@ -335,7 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bound",
         action="store_true",
-        help="also time fsdp2lite's all-gathers alone: the floor plus them over torch bounds the ratio",
+        help="also time fsdp2lite's collectives alone: the floor plus them over torch bounds the ratio",
     )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true")

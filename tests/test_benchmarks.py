@@ -88,8 +88,8 @@ def test_variant_runs_are_named_by_their_schedule(tmp_path: Path) -> None:
 def test_bench_host_runs_both_libraries_on_fake_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A tiny run end to end: both libraries step under FakeTensorMode on the fake process group, the
     ratio is the median of per-step ratios, and the files carry the numbers. ``--bound``'s all-gathers are a
-    step's, in its order (the root's first and kept for backward, the blocks' forward then backward), and
-    dispatch exactly the ops the tests pin per unshard."""
+    step's, in its order, and dispatch exactly the ops the tests pin per unshard; its reduce-scatters are the
+    step's, bare."""
     import json
 
     bench_host.main([
@@ -97,15 +97,16 @@ def test_bench_host_runs_both_libraries_on_fake_tensors(tmp_path: Path, capsys: 
         "--vocab", "64", "--steps", "3", "--warmup", "1", "--out-dir", str(tmp_path), "--op-times", "--bound",
     ])  # fmt: skip
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    path = result["bound"]
-    assert path["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.1", "blocks.0"], path["groups"]
-    n = path["all_gathers_per_step"]
+    path = result["bound"]  # the root first and kept for backward; the blocks forward, then backward
+    assert path["all_gathers"] == ["<root>", "blocks.0", "blocks.1", "blocks.1", "blocks.0"], path["all_gathers"]
+    n, r = len(path["all_gathers"]), len(path["reduce_scatter_bytes"])
     pinned = ("aten::empty", "aten::slice", "aten::cat", "c10d::_allgather_base_", "aten::view")
     pinned += ("aten::split_with_sizes_copy",)  # every group here has several parameters: one copy-out each
     assert {op: path["ops_per_step"].get(op) for op in pinned} == dict.fromkeys(pinned, n), path
-    assert set(path["ops_per_step"]) == {*pinned, "prim::device"}, path
-    summed = [(f + g) / t for f, g, t in zip(path["unsharded_ms"], path["all_gather_path_ms"], path["torch_ms"])]
-    assert path["ratio_floor_plus_all_gathers_vs_torch"] == pytest.approx(sorted(summed)[1])
+    assert path["ops_per_step"]["c10d::_reduce_scatter_base_"] == r == 3  # each group's, bare
+    assert set(path["ops_per_step"]) == {*pinned, "c10d::_reduce_scatter_base_", "prim::device"}, path
+    summed = [(f + c) / t for f, c, t in zip(path["unsharded_ms"], path["collectives_ms"], path["torch_ms"])]
+    assert path["ratio_floor_plus_collectives_vs_torch"] == pytest.approx(sorted(summed)[1])
     by_op = {row[0]: row for row in result["op_ms_over_floor"]}  # the runtime's own collectives lead the list
     assert by_op["c10d::_allgather_base_"][4] > 0 == by_op["c10d::_allgather_base_"][5], by_op
     assert all(row[3] == pytest.approx(row[1] - row[2], abs=0.011) for row in by_op.values())
