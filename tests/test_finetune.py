@@ -51,9 +51,17 @@ def llama(seed: int = 0) -> nn.Module:
     return tiny_llama(hidden=256, intermediate=512).to(torch.bfloat16)
 
 
-def finetune_model(mode: str, seed: int = 0, shard_size: int | None = None) -> nn.Module:
+def finetune_model(mode: str, seed: int = 0, shard_size: int | None = None, torchao: bool = False) -> nn.Module:
+    """``torchao``: the oracle's base, torchao's own ``NF4Tensor`` on every adapted weight (its ``linear_nf4``
+    dequantizes it), where fsdp2lite's ``quantize_base`` makes ``NF4Rows`` that gather into ``NF4Weight``s."""
     model = finetune.apply_lora(llama(seed), SETTINGS)
-    if mode == "qlora":
+    if mode == "qlora" and torchao:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        for module in model.modules():
+            if hasattr(module, "lora_A"):
+                module.base_layer.weight = nn.Parameter(to_nf4(module.base_layer.weight.detach()), requires_grad=False)
+    elif mode == "qlora":
         finetune.quantize_base(model, shard_size=shard_size or dist.get_world_size())
     return model
 
@@ -99,13 +107,14 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def run(mode: str, shard: Any, rank: int) -> tuple[nn.Module, list[float]]:
-    model = finetune_model(mode)
+    model = finetune_model(mode, torchao=shard is shard_torch)
     shard(model)
     return model, train(model, adamw(model), range(STEPS), rank)
 
 
 def check_lora_and_qlora_against_torch(rank: int, world_size: int, adapter_dir: str) -> None:
-    """bit for bit against torch's fully_shard; the adapters are fp32 masters, the base frozen."""
+    """bit for bit against torch's fully_shard with torchao's own NF4 (fsdp2lite's dequantization equals
+    torchao's); the adapters are fp32 masters, the base frozen."""
     for mode in ("lora", "qlora"):
         mine_model, mine = run(mode, shard_fsdp2lite, rank)
         _, theirs = run(mode, shard_torch, rank)
@@ -159,7 +168,7 @@ def check_qlora_at_any_shard_degree(rank: int, world_size: int) -> None:
     """3 ranks: no projection splits into 3 row shards of whole NF4 scale blocks (256 or 512 rows), so each is
     an NF4Rows padded by rows. Gathered, every weight is to_nf4 of the whole byte for byte; each rank's
     row_parts are its rows of it; 5 steps on the same batch everywhere have the losses of the same NF4 model
-    trained alone on one rank (torchao's own NF4Tensor, a 1-rank mesh), bit for bit."""
+    trained alone on one rank (torchao's own NF4Tensor and its dequantization, a 1-rank mesh), bit for bit."""
     from torch.distributed.device_mesh import DeviceMesh
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
@@ -184,7 +193,7 @@ def check_qlora_at_any_shard_degree(rank: int, world_size: int) -> None:
     layer.reshard()
     check_offloaded_nf4_rows(rows_of(to_nf4(full)), to_nf4(full))
     alone = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes every group
-    single = finetune_model("qlora", shard_size=1)
+    single = finetune_model("qlora", shard_size=1, torchao=True)
     shard_fsdp2lite(single, DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("shard",)))
     mine = train(model, adamw(model), range(STEPS), rank=0)
     theirs = train(single, adamw(single), range(STEPS), rank=0)
@@ -205,9 +214,15 @@ def check_offloaded_nf4_rows(weight: Any, whole: Any) -> None:
 
 
 def same_nf4(a: Any, b: Any) -> bool:
-    parts = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
-    as_bytes = [(raw(getattr(a, p)), raw(getattr(b, p))) for p in parts]
+    as_bytes = [(raw(x), raw(y)) for x, y in zip(nf4_parts(a), nf4_parts(b))]
     return a.shape == b.shape and all(torch.equal(x, y) for x, y in as_bytes)
+
+
+def nf4_parts(weight: Any) -> tuple[torch.Tensor, ...]:
+    """(codes, int8 scales, their factors, the scale mean) of torchao's NF4Tensor or fsdp2lite's NF4Weight."""
+    if hasattr(weight, "whole"):
+        return weight.codes, weight.scalers, weight.whole.quantization_factor, weight.whole.scaler_mean
+    return weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:  # (a 1-element factor may have stride 256: contiguous_format)

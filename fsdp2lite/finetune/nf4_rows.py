@@ -20,41 +20,23 @@ values, 8 MiB in bf16 for a 70B) by reference. The all-gather moves codes and sc
     rows 10, degree 3: ranks hold rows [0, 4), [4, 8), [8, 10) + 2 zero rows
     all-gather -> codes (12, columns / 2), scalers (12, columns / 64); the first 10 rows are to_nf4's bytes
 
-and the post-all-gather hook builds a torchao ``NF4Tensor`` on the first ``rows`` rows of the gathered
-buffers with the whole factors and mean: byte for byte ``to_nf4`` of the whole weight, which torchao's own
-``linear_nf4`` then computes with. A weight torchao can shard itself stays an ``NF4Tensor``
-(``qlora.quantize_base`` decides); this form is for the rest.
+and the post-all-gather hook builds an ``NF4Weight`` on the first ``rows`` rows of the gathered buffers with
+the whole factors and mean: byte for byte ``to_nf4`` of the whole weight, which fsdp2lite's own ``NF4Linear``
+computes with, dequantizing it without weight-sized temporaries ([Note: NF4 dequantized in pieces] in
+nf4_linear.py). ``qlora.quantize_base`` makes every QLoRA base weight this form, whatever the shard degree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .nf4_linear import NF4Weight
+from .nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
+
 aten = torch.ops.aten
-BLOCK_SIZE = 64  # values per NF4 block (one absmax scale each)
-SCALER_BLOCK_SIZE = 256  # scales per block of the second (int8) quantization
-
-
-@dataclass(frozen=True)
-class WholeNF4:
-    """What every row piece of one NF4 weight shares ([Note: NF4 padded by rows])."""
-
-    shape: torch.Size  # the whole weight's (rows, columns)
-    dtype: torch.dtype  # the compute dtype it was quantized from and dequantizes to
-    quantization_factor: torch.Tensor  # (numel / (64 * 256),) one per block of 256 scales
-    scaler_mean: torch.Tensor  # () the mean of all block scales, subtracted before their quantization
-    nf4: torch.Tensor  # (16,) the NF4 code table
-
-    def to(self, device: torch.device) -> WholeNF4:
-        """The same constants on ``device`` (itself when they are there)."""
-        if self.quantization_factor.device == device:
-            return self
-        parts = (t.to(device) for t in (self.quantization_factor, self.scaler_mean, self.nf4))
-        return WholeNF4(self.shape, self.dtype, *parts)
 
 
 class NF4Rows(torch.Tensor):
@@ -98,13 +80,14 @@ class NF4Rows(torch.Tensor):
     def fsdp_post_all_gather(
         self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: Any = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """torchao's NF4Tensor of the whole weight on the gathered ``(degree * padded_rows, ...)`` codes and
-        scales, their padding rows left out; refilled (``out``): it already views these buffers."""
+        """The whole weight as an ``NF4Weight`` on the gathered ``(degree * padded_rows, ...)`` codes and
+        scales, their padding rows left out ([Note: NF4 matmul]); refilled (``out``): it already views these
+        buffers."""
         codes, scalers = outputs
         if out is not None:
             return None
         rows = self.whole.shape[0]
-        return nf4_tensor(codes[:rows].reshape(-1), scalers[:rows].reshape(-1), self.whole), (codes, scalers)
+        return NF4Weight(codes[:rows], scalers[:rows], self.whole), (codes, scalers)
 
 
 def nf4_tensor(quantized_data: torch.Tensor, quantized_scalers: torch.Tensor, whole: WholeNF4) -> Any:

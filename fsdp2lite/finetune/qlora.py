@@ -1,10 +1,11 @@
-"""QLoRA's frozen base: the Linear weights under LoRA adapters become torchao ``NF4Tensor``s (4-bit
-NormalFloat codes in blocks of 64 values, the blocks' absmax scales themselves quantized to int8 in
-blocks of 256 around their mean: torchao's ``to_nf4`` defaults).
+"""QLoRA's frozen base: the Linear weights under LoRA adapters become NF4 (4-bit NormalFloat codes in blocks
+of 64 values, the blocks' absmax scales themselves quantized to int8 in blocks of 256 around their mean:
+torchao's ``to_nf4``, at its defaults), held by rows as ``NF4Rows``.
 
 [Note: NF4 from a rank's own rows]
-fsdp2lite shards an NF4 weight by rows (torchao's ``NF4Tensor`` where its own chunks hold whole 64 * 256
-units, else ``NF4Rows``: [Note: NF4 padded by rows]) and gathers the shards through its all-gather hooks.
+fsdp2lite shards an NF4 weight by rows (``NF4Rows``: [Note: NF4 padded by rows]) and gathers the shards
+through its all-gather hooks into an ``NF4Weight``, which its matmuls dequantize piece by piece
+([Note: NF4 dequantized in pieces]).
 Everything in a rank's rows is computed from those rows, except the mean of all the tensor's block scales,
 which ``to_nf4`` subtracts before the second quantization, and the factors of the blocks of 256 scales,
 which may straddle two ranks. ``row_parts`` therefore all-gathers the block scales (one value per 64
@@ -67,10 +68,12 @@ def quantize_base(
 ) -> list[str]:
     """Replace the base weight of every LoRA layer of ``model`` (after ``apply_lora``) by its NF4
     quantization (of the weight cast to ``dtype``, the compute dtype); returns their paths. Every weight is
-    checked first (all or nothing, ``shard_problem``). A weight torchao's own chunks shard over ``shard_size``
-    ranks becomes torchao's ``NF4Tensor``; any other an ``NF4Rows`` of the same bytes, which shards at any
-    degree ([Note: NF4 padded by rows]). A model on the meta device gets NF4 weights on meta, ready for
-    ``to_empty(device=device)`` and ``load_nf4_rows`` ([Note: NF4 on meta])."""
+    checked first (all or nothing, ``shard_problem``). A weight whose rows hold whole blocks of 64 values becomes
+    an ``NF4Rows`` of ``to_nf4``'s bytes, which shards at any degree ([Note: NF4 padded by rows]) and gathers
+    into an ``NF4Weight`` that fsdp2lite dequantizes without weight-sized temporaries ([Note: NF4 dequantized
+    in pieces]); any other stays torchao's ``NF4Tensor`` (sharded only where its own chunks hold whole units).
+    A model on the meta device gets NF4 weights on meta, ready for ``to_empty(device=device)`` and
+    ``load_nf4_rows`` ([Note: NF4 on meta])."""
     nf4 = _nf4_module()
     layers = _lora_base_layers(model)
     if not layers:
@@ -80,7 +83,7 @@ def quantize_base(
         raise ValueError(f"cannot quantize to NF4 ({len(problems)} weights):\n  " + "\n  ".join(summarized(problems)))
     for _, layer in layers:
         quantized = nf4.to_nf4(layer.weight.detach().to(dtype), BLOCK_SIZE, SCALER_BLOCK_SIZE)
-        if not torchao_shards(layer.weight.shape, shard_size):
+        if layer.weight.shape[1] % BLOCK_SIZE == 0:  # rows of whole blocks: held by rows (else torchao shards it)
             quantized = rows_of(quantized)
         if quantized.is_meta:
             quantized = materialized_constants(quantized, torch.device(device or "cpu"))
