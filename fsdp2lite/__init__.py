@@ -13,10 +13,11 @@ from .api import fully_shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ConfigError, FSDPConfig, apply_config, plan_config
 from .estimate import MemoryEstimate, estimate_memory
+from .forward_pass import register_fsdp_forward_method
 from .integrations import PatchReport, patch, unpatch
 from .launch import init_process_group
 from .mesh import init_mesh
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .module import FSDPModule, UnshardHandle, share_comm_ctx
 from .offload import fast_host_step, step_in_backward
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingPolicy
 from .trace import count_wire_bytes, record_trace

@@ -40,9 +40,10 @@ from ._runtime.param import FSDPParam
 from ._runtime.param_policy import ParamPlace, ParamPolicy
 from ._snapshot import ModuleSnapshot, all_modules
 from ._stages import apply_sharding, param_storage
+from .forward_pass import register_fsdp_forward_method
 from .host import HostEngine
 from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .module import FSDPModule, UnshardHandle
 from .policies import (
     CommPolicy,
     CPUOffloadPolicy,

@@ -4,7 +4,6 @@ subclass), with the controls users call (``unshard``, ``reshard``, ``set_*``), `
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -404,31 +403,6 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     shared = SharedComm()
     for module in modules:
         module._fsdp_state.shared_comm = shared
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run ``module.<method_name>`` (e.g. ``generate``) between the pre- and post-forward work, as
-    ``forward`` is: its group is all-gathered before the method and resharded after it (per
-    ``reshard_after_forward``), and forwards the method calls on the module run inside that one pass.
-    A module that is not an ``FSDPModule`` is left alone (like torch's, so one script serves both)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"register_fsdp_forward_method takes an nn.Module, got {type(module).__name__}")
-    if not isinstance(method_name, str):
-        raise TypeError(f"method_name must be a str, got {type(method_name).__name__}")
-    if not isinstance(module, FSDPModule):
-        return
-    method = getattr(module, method_name, None)
-    if method is None or not callable(method):
-        methods = sorted(n for n in dir(type(module)) if not n.startswith("_") and callable(getattr(module, n, None)))
-        hint = ", ".join(m for m in methods if m in ("generate", "forward", "encode", "decode")) or "forward"
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r} (e.g. {hint})")
-    state = module._fsdp_state
-
-    @functools.wraps(method)
-    def forward_method(*args: Any, **kwargs: Any) -> Any:
-        return state.run_forward_method(module, method, args, kwargs)
-
-    setattr(module, method_name, forward_method)
 
 
 def _check_state_dict_fits(module: nn.Module, state_dict: Any, strict: bool) -> None:

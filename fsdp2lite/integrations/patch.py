@@ -26,7 +26,8 @@ from types import ModuleType
 from typing import Any
 
 from ..api import fully_shard
-from ..module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ..forward_pass import register_fsdp_forward_method
+from ..module import FSDPModule, UnshardHandle, share_comm_ctx
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 NAMES = (

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...models import GPT
+from ..head_loss import causal_lm_loss
 from .packing import IGNORE_INDEX
 
 
@@ -42,10 +43,12 @@ def packed_loss(
     """``batch`` ``(batch, 3, seq)`` -> this rank's share of the global token mean ([Note: the global token
     mean]): its cross-entropy sum over trained tokens / ``num_items_in_batch`` * ``data_parallel_size``."""
     input_ids, labels, position_ids = batch.unbind(1)  # each (batch, seq)
-    logits = forward_logits(model, input_ids, position_ids)  # (batch, seq, vocab)
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    loss_sum = causal_lm_loss(model, input_ids, labels, position_ids)  # a frozen head: [Note: chunked head loss]
+    if loss_sum is None:
+        logits = forward_logits(model, input_ids, position_ids)  # (batch, seq, vocab)
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
     return loss_sum * data_parallel_size / num_items_in_batch
 
 

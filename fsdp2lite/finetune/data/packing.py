@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from ..head_loss import IGNORE_INDEX
 from .formats import DataError
 from .tokenize import TokenizedExample
-
-IGNORE_INDEX = -100  # torch's cross_entropy default ignore_index, and Hugging Face's label for "no loss"
 
 
 @dataclass(frozen=True)

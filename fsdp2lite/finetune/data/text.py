@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..head_loss import causal_lm_loss
 from .loss import TokenMeanLoss, forward_logits
 from .packing import PackedWindows
 from .tokenize import Tokenizer
@@ -58,6 +59,9 @@ def tokenize_text(files: list[Path], tokenizer: Tokenizer | None) -> torch.Tenso
 def window_loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
     """window (batch, seq + 1) token ids -> mean next-token cross-entropy."""
     inputs, targets = window[:, :-1], window[:, 1:]
+    chunked = causal_lm_loss(model, inputs, targets, reduction="mean")  # a frozen head: [Note: chunked head loss]
+    if chunked is not None:
+        return chunked
     logits = forward_logits(model, inputs)  # (batch, seq, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
