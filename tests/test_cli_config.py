@@ -280,16 +280,20 @@ def _llama() -> nn.Module:
 
 
 def test_hf_config_gives_one_group_per_decoder_layer_and_a_bf16_root() -> None:
+    """One group per decoder layer, and the tied embedding and head (Llama-3.2-1B's) one group of their own:
+    ``group: tied`` puts modules sharing a parameter together; the root keeps the final norm."""
     explanation = _explain(FSDPConfig.from_yaml(HF_CONFIG), world_size=8, model=_llama())
     assert [row.paths for row in explanation.rows] == [
         ("model.layers.0",),
         ("model.layers.1",),
         ("model.layers.2",),
+        ("model.embed_tokens", "lm_head"),
         ("",),
     ]
-    root = explanation.rows[-1]
-    assert "model.embed_tokens.weight" in root.param_names and "model.norm.weight" in root.param_names
-    assert "lm_head.weight" not in root.param_names, "tied to the embedding: one parameter, counted once"
+    tied, root = explanation.rows[-2], explanation.rows[-1]
+    assert tied.param_names == ("model.embed_tokens.weight",), "tied to the head: one parameter, counted once"
+    assert tied.rule == "wrap[1]: path=[*embed_tokens, *wte, *embed_in, *lm_head, *embed_out] (tied modules grouped)"
+    assert root.param_names == ("model.norm.weight",)
     assert all(row.policy.mixed_precision.param_dtype is torch.bfloat16 for row in explanation.rows)
 
 

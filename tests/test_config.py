@@ -428,7 +428,7 @@ def test_the_fixed_choices_the_issue_named() -> None:
     [
         (
             _with_value(("wrap", 0, "group"), "maybe"),
-            Problem("wrap.0.group", "'maybe' is not valid here", "use true or false"),
+            Problem("wrap.0.group", "'maybe' is not valid here", "use true or false, tied"),
         ),
         ({"mesh": {"shard": 1.5}}, Problem("mesh.shard", "1.5 is not valid here", "use an integer")),
         (

@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from .._plan import GroupSpec
 from ..config import FSDPConfig, GroupPlan, GroupPolicy, Problem, ScheduleConfig, join_path, mesh_problems, plan_config
-from ..estimate.analytic import nf4_paths, stored_nbytes
 from ..estimate.finetune import Finetune, PlannedLora, nf4_bytes
+from ..estimate.plan_bytes import nf4_paths, stored_nbytes
 from ..migrate.blocks import block_classes
 from ..policies import short_dtype_name
 
@@ -272,7 +272,7 @@ def rule_label(config: FSDPConfig, rule_index: int | None) -> str:
     rule = config.wrap[rule_index]
     keys = [(key, value) for key, value in (("class", rule.match.class_), ("path", rule.match.path)) if value]
     text = " ".join(f"{key}={value if isinstance(value, str) else '[' + ', '.join(value) + ']'}" for key, value in keys)
-    return f"wrap[{rule_index}]: {text}" + (" (group)" if rule.group else "")
+    return f"wrap[{rule_index}]: {text}" + {True: " (group)", "tied": " (tied modules grouped)"}.get(rule.group, "")
 
 
 def rule_classes(config: FSDPConfig) -> list[str]:

@@ -102,7 +102,7 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
             )
             continue
         policy = _rule_policy(top, rule)
-        batches = [hits] if rule.group else [[hit] for hit in hits]
+        batches = [hits] if rule.group is True else tied_batches(hits) if rule.group == "tied" else [[h] for h in hits]
         for batch in batches:
             paths = tuple(p for p, _ in batch)
             depth = max(p.count(".") + 1 for p in paths)
@@ -118,6 +118,23 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     for spec in plan.specs:
         plan.refused.extend(group_problems(spec))  # fully_shard's own checks ([Note: one plan])
     return plan
+
+
+def tied_batches(hits: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """``group: tied``: one batch per matched module, but modules sharing a parameter (a tied embedding and
+    head) in one batch, in match order: ``[wte, wpe, lm_head]`` with ``lm_head.weight is wte.weight`` gives
+    ``[[wte, lm_head], [wpe]]``."""
+    batches: list[list[tuple[str, nn.Module]]] = []
+    owner: dict[int, int] = {}  # id(parameter) -> index of the batch holding it
+    for path, module in hits:
+        ids = [id(p) for p in module.parameters()]
+        joined = next((owner[i] for i in ids if i in owner), None)
+        if joined is None:
+            joined = len(batches)
+            batches.append([])
+        batches[joined].append((path, module))
+        owner.update((i, joined) for i in ids)
+    return batches
 
 
 def _group_spec(group: GroupPlan, params: dict[str, nn.Parameter], plan: Plan) -> GroupSpec:

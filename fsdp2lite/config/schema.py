@@ -265,7 +265,11 @@ class WrapRule(BaseModel):
     model_config = _STRICT
 
     match: Match = Field(description="which modules this rule takes")
-    group: bool = Field(False, description="true: all matches form ONE group; false: one group per match")
+    group: bool | Literal["tied"] = Field(
+        False,
+        description="true: all matches form ONE group; false: one group per match; tied: one group per match, "
+        "except that matches sharing a parameter (a tied embedding and head) form one group together",
+    )
     reshard_after_forward: ReshardAfterForward | None = Field(None, description="overrides the top-level value")
     mixed_precision: MixedPrecisionPolicy | None = Field(
         None, description="overrides the top-level fields it sets; the others are inherited"

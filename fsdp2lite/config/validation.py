@@ -7,7 +7,7 @@ key of every model (a fixed choice, a type, a model where a scalar stood), top l
 
     zero_stage: 4                   ->  zero_stage: 4 is not valid here (use 1, 2 or 3)
     sharding: {shard: everything}   ->  sharding.shard: 'everything' is not valid here (use params or optimizer)
-    wrap: [{..., group: maybe}]     ->  wrap.0.group: 'maybe' is not valid here (use true or false)
+    wrap: [{..., group: maybe}]     ->  wrap.0.group: 'maybe' is not valid here (use true or false, tied)
 
 A value no member of a union accepts is one problem listing every member (not one per member); an unknown
 key gets the closest valid key; the schema's own validators already name the value in their messages.
