@@ -44,6 +44,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
     sharded_state: ShardedState
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
+    backward_follows: bool  # its last forward's output needs a gradient: backward will use it (a prefetch target)
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
     regather: Regather | None  # while resharded to the post-forward group: its all-gather for backward
     post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
@@ -94,6 +95,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
+        self.backward_follows = True
         self.pending_unshard = None
         self.regather = self.post_forward_kept = None
         self.reduce_scatter_result = None
@@ -225,7 +227,10 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self.unshard()
         self.wait_for_unshard()
 
-    def post_forward(self, grad_enabled: bool) -> None:
+    def post_forward(self, grad_enabled: bool, backward_follows: bool = True) -> None:
+        """``backward_follows``: the forward's output needs a gradient, so this group's backward will run (a
+        frozen embedding's does not: backward never prefetches it)."""
+        self.backward_follows = grad_enabled and backward_follows
         if not grad_enabled:
             self.reshard()  # no backward can follow: nothing is worth keeping
         elif self.reshard_after_forward:

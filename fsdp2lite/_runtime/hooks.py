@@ -259,13 +259,13 @@ class FSDPState:
         if group is None:
             return
         grad_enabled = torch.is_grad_enabled()
-        group.post_forward(grad_enabled)
-        if grad_enabled:
-            tensors = [t for t in tensors_in(output) if t.requires_grad]  # [Note: tensor containers]
-            if len(tensors) == 1:  # one output (a block's): its own hook fires once per backward, as "any" would
-                tensors[0].register_hook(self._pre_backward)
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        # [Note: tensor containers]; none: nothing flows back through this pass, so its backward never runs
+        tensors = [t for t in tensors_in(output) if t.requires_grad] if grad_enabled else []
+        group.post_forward(grad_enabled, backward_follows=bool(tensors))
+        if len(tensors) == 1:  # one output (a block's): its own hook fires once per backward, as "any" would
+            tensors[0].register_hook(self._pre_backward)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
     # ---- backward ---------------------------------------------------------------------------
     def _pre_backward(self, _grad: torch.Tensor) -> None:

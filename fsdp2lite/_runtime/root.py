@@ -163,7 +163,8 @@ class RootContext:
             targets = self._neighbours(group, 1, step=-1)
         for target in targets:
             if target.training_state is not TrainingState.POST_BACKWARD and target.unshard_in_backward:
-                target.unshard()
+                if target.backward_follows:  # a group whose output needed no gradient has no backward
+                    target.unshard()
 
     def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> list[FSDPParamGroup]:
         if not self.order_recorded or group not in self.forward_order or depth < 1:
