@@ -211,7 +211,7 @@ def test_planner_counts_overridden_parameters_in_their_dtypes() -> None:
     """The analytic estimate's per-group bytes: the norm's parameters all-gathered and reduced in fp32, the
     linears' in bf16, exactly (3 ranks, padded rows)."""
     from fsdp2lite.config import plan_config
-    from fsdp2lite.estimate.analytic import group_bytes
+    from fsdp2lite.estimate.plan_bytes import group_bytes
 
     model = NormNet()
     config = fl.FSDPConfig.model_validate(POLICY_FILE)

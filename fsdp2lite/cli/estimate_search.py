@@ -28,10 +28,11 @@ from typing import Any
 
 from ..config import FSDPConfig, plan_config
 from ..estimate import element_size
-from ..estimate.analytic import analytic_estimate, nf4_paths
+from ..estimate.analytic import analytic_estimate
 from ..estimate.common import default_seq
 from ..estimate.finetune import Finetune, planned_factory
 from ..estimate.offload_budget import largest_groups, offload_largest, resolve_offload_budget
+from ..estimate.plan_bytes import nf4_paths
 from ..estimate.timing import NVME_GB_PER_S, Gpu, Link, plan_step_time
 from ._args import UsageError
 

@@ -102,10 +102,16 @@ def token_inputs(model: nn.Module, batch: int, seq: int | None) -> tuple[torch.T
 
 
 def step_loss(model: nn.Module, inputs: tuple[Any, ...], token_model: bool) -> torch.Tensor:
-    """The scalar a step backpropagates: a Hugging Face model's ``output.loss``, ``model.loss(...)`` if the
-    model has one, else the output's mean."""
+    """The scalar a step backpropagates: a Hugging Face model's loss as ``examples/train.py`` computes it (its
+    head and loss run by run where the head is frozen, ``finetune.head_loss``; else its ``output.loss``),
+    ``model.loss(...)`` if the model has one, else the output's mean."""
     if token_model and is_hf_model(model):
-        return model(input_ids=inputs[0], labels=inputs[1]).loss
+        from ..finetune.head_loss import IGNORE_INDEX, causal_lm_loss
+
+        tokens, labels = inputs[0], inputs[1]
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # as Hugging Face's loss shifts
+        chunked = causal_lm_loss(model, tokens, shifted, reduction="mean")
+        return chunked if chunked is not None else model(input_ids=tokens, labels=labels).loss
     loss_fn = getattr(model, "loss", None)
     if callable(loss_fn) and (token_model or len(inputs) > 1):
         return loss_fn(*inputs)
@@ -183,7 +189,11 @@ def default_config(model: nn.Module) -> FSDPConfig:
     present = {type(module).__name__ for module in model.modules()}
     no_split = [name for name in getattr(model, "_no_split_modules", None) or () if name in present]
     if no_split:
-        return FSDPConfig(wrap=[WrapRule(match=Match(class_=sorted(no_split)))])
+        rules = [WrapRule(match=Match(class_=sorted(no_split)))]
+        ends = _embedding_and_head(model)
+        if ends:  # a group each, gathered only where used (a tied pair: one): configs/hf_causal_lm.yaml's rule
+            rules.append(WrapRule(match=Match(path=ends), group="tied"))
+        return FSDPConfig(wrap=rules)
     counts: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
     for _, module in model.named_modules():
@@ -197,6 +207,19 @@ def default_config(model: nn.Module) -> FSDPConfig:
         return FSDPConfig()
     block = max(repeated, key=lambda name: (sizes[name] / counts[name], counts[name]))  # the largest unit
     return FSDPConfig(wrap=[WrapRule(match=Match(class_=block))])
+
+
+def _embedding_and_head(model: nn.Module) -> list[str]:
+    """The paths of a Hugging Face model's token embedding and output head (``get_input_embeddings`` and
+    ``get_output_embeddings``), those it has."""
+    ends = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        find = getattr(model, getter, None)
+        module = find() if callable(find) else None
+        path = next((p for p, m in model.named_modules() if m is module and p), None) if module is not None else None
+        if path is not None:
+            ends.append(path)
+    return ends
 
 
 def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:

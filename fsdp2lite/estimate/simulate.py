@@ -32,7 +32,6 @@ import torch.nn as nn
 from ..config import FSDPConfig, Plan, apply_config, plan_config
 from ..mesh import init_mesh
 from .allocator import AllocatorPeak
-from .analytic import GroupBytes, group_bytes, nf4_paths, trained_bytes
 from .common import (
     MemoryEstimate,
     default_config,
@@ -45,6 +44,7 @@ from .common import (
 )
 from .finetune import Finetune
 from .host import host_bytes, host_note, offloaded_groups, on_host_optimizer
+from .plan_bytes import GroupBytes, group_bytes, nf4_paths, trained_bytes
 from .reserved import AllocationRecorder, from_replay, streams_tagged
 
 _SCHEDULE_SETTERS = (

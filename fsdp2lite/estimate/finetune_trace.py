@@ -1,0 +1,243 @@
+"""The activation side of a fine-tuning step, traced once on fake tensors: what is live at each group's peaks.
+
+[Note: traced moments]
+``estimate_memory(method="analytic")`` plans a LoRA or QLoRA step group by group (``finetune_walk``): the
+parameter side (shards, gathered groups, gradients, optimizer state) comes from the plan's exact bytes, and the
+activation side from one step of the plain model (no sharding) on fake tensors under torch's ``MemTracker``,
+with each group's modules checkpointed as the config says and the loss ``examples/train.py`` computes
+(``finetune.head_loss``). For each group it reads the activation bytes live (activations, their gradients and
+temporaries: everything but parameters, gradients and buffers) at the peak of its forward and of its backward,
+and before and after its forward. The model is traced with its repeated blocks cut to ``TRACED_BLOCKS``; a block
+of the whole model is alike, and what each block leaves saved for backward (``Trace.saved_per_block``) is
+added once per block left out at every moment that holds it (``Trace.extra_blocks``).
+
+A head that the loss runs by run (``finetune.head_loss``) is not called as a module, so it has no traced
+moments of its own: at its forward the decoder's output state plus one run's temporaries, at its backward the
+same plus the hidden states' gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import FSDPConfig, Plan, checkpoint_forward
+from .common import materialized, step_inputs, step_loss
+
+TRACED_BLOCKS = 2  # blocks the step is traced with ([Note: traced moments])
+_PARAMETER_SIDE = ("Parameter", "Gradient", "Buffer", "Optstate")
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Activation-side bytes live at one group's moments in the traced step ([Note: traced moments])."""
+
+    before_forward: int  # at its pre-forward (its all-gather's copy-out)
+    forward: int  # at the peak of its forward
+    after_forward: int  # at its post-forward
+    backward: int | None  # at the peak of its backward; None: its backward never runs (nothing flows back)
+    before_backward: int | None  # at its pre-backward
+
+
+@dataclass
+class Trace:
+    """One traced step: each group's moments, in forward order (group indices into the plan)."""
+
+    order: list[int]  # plan group indices, in the order their forwards start (the root first)
+    moments: dict[int, Moments]
+    blocks: list[int]  # the plan groups that are repeated blocks (traced: TRACED_BLOCKS of them)
+    saved_per_block: int  # what a block's forward leaves saved for backward
+    extra_blocks: int  # blocks of the whole model not traced
+    cut: list[int] = field(default_factory=list)  # their plan groups (alike to the traced blocks)
+    head: int | None = None  # the plan group of a head the loss runs by run (no moments of its own)
+    head_output: tuple[int, int] = (0, 0)  # (tokens, hidden bytes per token) of the hidden states it reads
+    head_run: int = 0  # one run's temporaries (``finetune.head_loss.run_bytes``)
+    decoder_output: int = 0  # the activation side after the decoder's forward, when that loss starts
+    notes: list[str] = field(default_factory=list)
+
+    def after_block(self, index: int) -> bool:
+        """Whether group ``index``'s forward starts at or after the last traced block's (so its moments hold
+        every block's saved activations)."""
+        if not self.blocks:
+            return False
+        last = max(self.order.index(b) for b in self.blocks)
+        return self.order.index(index) >= last
+
+
+def trace_finetune_step(
+    model_fn: Callable[[], nn.Module],
+    config: FSDPConfig,
+    plan: Plan,
+    inputs_fn: Callable[[], Any] | None,
+    batch: int,
+    seq: int | None,
+) -> Trace:
+    """The plain model's step on fake tensors, cut to ``TRACED_BLOCKS`` blocks ([Note: traced moments])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..finetune.head_loss import plain_head
+    from .simulate import local_shard_tracker
+
+    with FakeTensorMode():
+        model = materialized(model_fn())
+        _compute_dtype(model, config.mixed_precision.param_dtype)
+        blocks, cut = _cut_blocks(model, plan)
+        modules = _group_modules(model, plan)
+        for group, paths in zip(plan.groups, (g.paths for g in plan.groups)):
+            if group.policy.activation_checkpointing:
+                for path in paths:
+                    if path and _present(model, path):
+                        checkpoint_forward(model.get_submodule(path))
+        inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
+        parts = plain_head(model)
+        with local_shard_tracker() as tracker:
+            tracker.track_external(model)
+            step_loss(model, inputs, token_model).backward()
+        moments, order = _read_moments(tracker, modules)
+        decoder_output = _after_forward(tracker, parts[0]) if parts is not None else 0
+    trace = Trace(order, moments, [i for i in blocks if i in moments], 0, len(cut), cut)
+    trace.saved_per_block = _saved_per_block(trace)
+    if parts is not None:
+        _add_head(trace, modules, parts, tokens=inputs[0].numel(), dtype=config.mixed_precision.param_dtype)
+        trace.decoder_output = decoder_output
+    return trace
+
+
+def _add_head(
+    trace: Trace, modules: dict[int, list[nn.Module]], parts: tuple[nn.Module, Any], tokens: int, dtype: Any
+) -> None:
+    """A head the loss runs by run: its group joins the order last, with the loss's figures."""
+    from ..finetune.head_loss import run_bytes
+
+    head = parts[1]
+    index = next((i for i, mods in modules.items() if any(m is head for m in mods)), None)
+    if index is None or index in trace.moments:
+        return
+    trace.head = index
+    trace.order.append(index)
+    trace.head_output = (tokens, head.in_features * _element(dtype))
+    trace.head_run = run_bytes(head.out_features, tokens)
+
+
+def _element(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype or torch.float32).element_size()
+
+
+def _compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Every floating parameter in the compute dtype: what the gathered parameters and activations are in."""
+    if dtype is None:
+        return
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point():
+                module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+
+
+def _present(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
+    """The largest ``ModuleList`` of three or more modules of one class: the repeated blocks."""
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.ModuleList) and len(child) >= 3 and len({type(m) for m in child}) == 1
+    ]
+    if not found:
+        return None
+    return max(found, key=lambda item: sum(p.numel() for p in item[2].parameters()))
+
+
+def _cut_blocks(model: nn.Module, plan: Plan) -> tuple[list[int], list[int]]:
+    """Cut the repeated blocks to ``TRACED_BLOCKS`` in place; (the plan groups of the blocks kept, of those cut)."""
+    found = _block_list(model)
+    if found is None:
+        return [], []
+    parent, name, blocks = found
+    list_path = next(path for path, module in model.named_modules() if module is blocks)
+    groups = {path: i for i, group in enumerate(plan.groups) for path in group.paths}
+    block_groups = [groups.get(f"{list_path}.{i}" if list_path else str(i)) for i in range(len(blocks))]
+    setattr(parent, name, nn.ModuleList(blocks[:TRACED_BLOCKS]))
+    traced, cut = block_groups[:TRACED_BLOCKS], block_groups[TRACED_BLOCKS:]
+    return [g for g in traced if g is not None], [g for g in cut if g is not None]
+
+
+def _group_modules(model: nn.Module, plan: Plan) -> dict[int, list[nn.Module]]:
+    """Each plan group's modules present in the (cut) traced model; the root is the model itself."""
+    out: dict[int, list[nn.Module]] = {}
+    for index, group in enumerate(plan.groups):
+        found = [model.get_submodule(path) for path in group.paths if _present(model, path)]
+        if found:
+            out[index] = found
+    return out
+
+
+def _read_moments(tracker: Any, modules: dict[int, list[nn.Module]]) -> tuple[dict[int, Moments], list[int]]:
+    """Each group's moments from the tracker's per-module snapshots; the order their forwards started."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    by_module = {id(module): stats for module, stats in tracker.memory_tracking.items()}
+    moments: dict[int, Moments] = {}
+    starts: dict[int, int] = {}
+    for index, group_modules in modules.items():
+        stats = [by_module[id(m)] for m in group_modules if id(m) in by_module]
+        if not stats:
+            continue
+
+        forward = _read(stats, _ModState.PEAK_FW)
+        if forward is None:
+            continue
+        moments[index] = Moments(
+            _read(stats, _ModState.PRE_FW, min) or 0,
+            forward,
+            _read(stats, _ModState.POST_FW) or 0,
+            _read(stats, _ModState.PEAK_BW),
+            _read(stats, _ModState.PRE_BW),
+        )
+        starts[index] = min(list(tracker.memory_tracking).index(m) for m in group_modules if id(m) in by_module)
+    return moments, sorted(moments, key=lambda i: starts[i])
+
+
+def _read(stats: list[Any], state: Any, pick: Callable[[list[int]], int] = max) -> int | None:
+    """The activation side of the modules' snapshots at ``state`` (their largest, or ``pick``'s), or None."""
+    values = [_activation_side(snap) for s in stats for snap in s.snapshots.get(state, [])]
+    return pick(values) if values else None
+
+
+def _after_forward(tracker: Any, module: nn.Module) -> int:
+    """The activation side at ``module``'s post-forward."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    stats = next((s for m, s in tracker.memory_tracking.items() if m is module), None)
+    snaps = stats.snapshots.get(_ModState.POST_FW, []) if stats is not None else []
+    return max((_activation_side(snap) for snap in snaps), default=0)
+
+
+def _activation_side(snapshot: dict[Any, dict[Any, int]]) -> int:
+    """Bytes of a tracker snapshot that are not parameters, gradients, buffers or optimizer state."""
+    total = 0
+    for device, categories in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
+        named = {str(getattr(k, "value", k)): v for k, v in categories.items()}
+        total += named.get("Total", 0) - sum(named.get(k, 0) for k in _PARAMETER_SIDE)
+    return total
+
+
+def _saved_per_block(trace: Trace) -> int:
+    """What the last traced block's forward leaves saved (its after-forward minus its before-forward)."""
+    if not trace.blocks:
+        return 0
+    last = max(trace.blocks, key=trace.order.index)
+    moment = trace.moments[last]
+    return max(0, moment.after_forward - moment.before_forward)
