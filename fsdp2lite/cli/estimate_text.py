@@ -31,7 +31,7 @@ from rich.table import Table
 from .._units import human_bytes
 from .offload_text import offload_words
 
-UNCOUNTED = "the CUDA context, NCCL's buffers and cuBLAS workspaces"  # not tensors: no estimate counts them
+UNCOUNTED = "NCCL's buffers and cuBLAS workspaces"  # not tensors: no estimate counts them (the search leaves room)
 TIGHT = 2**29  # headroom under this is called tight: a CUDA context alone takes several hundred MiB
 GPU_CHECKED = ("full",)  # the kinds whose memory model was checked on a GPU (docs/estimate.md, one H100)
 HEADERS = {
@@ -181,10 +181,19 @@ def answer_lines(choice: dict[str, Any], budget: int, job: dict[str, Any]) -> li
         f"samples{tokens} is {accum} microbatch{'es' if accum > 1 else ''} per rank "
         f"(--grad-accum {accum}, from --global-batch {job['global_batch']})",
         time,
-        f"  headroom: {human_bytes(headroom)} of the {human_bytes(budget)} budget is left over the reserved peak"
+        f"  headroom: {human_bytes(headroom)} of the {human_bytes(budget)} left to PyTorch is over the reserved peak"
         f"{' (tight)' if headroom < TIGHT else ''}; not counted: {uncounted}, which take from it",
         f"  measured on a GPU: {measured}",
     ]
+
+
+def context_line(budget: int, context: Any) -> str:
+    """The budget the settings are compared with: the card's, less the CUDA context ([Note: what the answer
+    states])."""
+    return (
+        f"budget: {human_bytes(budget)} less the CUDA context, {human_bytes(context.nbytes)} ({context.source}): "
+        f"{human_bytes(budget - context.nbytes)} for PyTorch's allocator, what every setting is compared with"
+    )
 
 
 def wrapped(line: str, width: int) -> str:

@@ -210,15 +210,16 @@ def default_config(model: nn.Module) -> FSDPConfig:
 
 
 def _embedding_and_head(model: nn.Module) -> list[str]:
-    """The paths of a Hugging Face model's token embedding and output head (``get_input_embeddings`` and
-    ``get_output_embeddings``), those it has."""
+    """Globs of the paths of a Hugging Face model's token embedding and output head (``get_input_embeddings``
+    and ``get_output_embeddings``), those it has: each path as it is and under any prefix (peft's
+    ``base_model.model.``, which the model ``examples/train.py`` shards has)."""
     ends = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         find = getattr(model, getter, None)
         module = find() if callable(find) else None
         path = next((p for p, m in model.named_modules() if m is module and p), None) if module is not None else None
         if path is not None:
-            ends.append(path)
+            ends += [path, f"*.{path}"]
     return ends
 
 

@@ -75,8 +75,11 @@ def trace_finetune_step(
     inputs_fn: Callable[[], Any] | None,
     batch: int,
     seq: int | None,
+    nf4: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Trace:
-    """The plain model's step on fake tensors, cut to ``TRACED_BLOCKS`` blocks ([Note: traced moments])."""
+    """The plain model's step on fake tensors, cut to ``TRACED_BLOCKS`` blocks ([Note: traced moments]); the
+    weights at the ``nf4`` paths as fsdp2lite's gathered ``NF4Weight``, so each matmul's dequantization is traced
+    where it happens (eager: a CUDA target's compiled kernel makes no index, at most 32 MiB less)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..finetune.head_loss import plain_head
@@ -85,6 +88,7 @@ def trace_finetune_step(
     with FakeTensorMode():
         model = materialized(model_fn())
         _compute_dtype(model, config.mixed_precision.param_dtype)
+        _nf4_weights(model, nf4)
         blocks, cut = _cut_blocks(model, plan)
         modules = _group_modules(model, plan)
         for group, paths in zip(plan.groups, (g.paths for g in plan.groups)):
@@ -135,6 +139,24 @@ def _compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
         for name, param in module._parameters.items():
             if param is not None and param.is_floating_point():
                 module._parameters[name] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+
+
+def _nf4_weights(model: nn.Module, paths: set[str]) -> None:
+    """Each weight at ``paths`` as an ``NF4Weight`` of its shape (fake codes and block scales): what the gathered
+    QLoRA base is while a group computes ([Note: NF4 matmul])."""
+    from ..finetune.nf4_linear import NF4Weight
+    from ..finetune.nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
+
+    for path in paths:
+        owner, _, name = path.rpartition(".")
+        module = model.get_submodule(owner)
+        weight = module._parameters[name]
+        rows, columns = weight.shape
+        codes = torch.empty((rows, columns // 2), dtype=torch.uint8)
+        scalers = torch.empty((rows, columns // BLOCK_SIZE), dtype=torch.int8)
+        factors = torch.ones(rows * columns // (BLOCK_SIZE * SCALER_BLOCK_SIZE), dtype=weight.dtype)
+        whole = WholeNF4(weight.shape, weight.dtype, factors, torch.zeros((), dtype=weight.dtype), torch.ones(16))
+        module._parameters[name] = nn.Parameter(NF4Weight(codes, scalers, whole), requires_grad=False)
 
 
 def _present(model: nn.Module, path: str) -> bool:

@@ -16,9 +16,8 @@ backward order, and adds at each what the runtime holds then ([Note: traced mome
                 group's copy-out); backward on CUDA (``late_backward_prefetch`` false): the previous group's
     gradients   backward: this group's unsharded gradients, the reduce-scatter still in flight (CUDA overlaps
                 one), and the sharded gradients of every group whose backward ended
-    dequantized QLoRA: one NF4 weight of the group in the compute dtype for its matmul, and on a CPU target the
-                eager dequantization's pieces ([Note: NF4 dequantized in pieces])
-    activations the traced moment, with every block's saved activations at the whole model's depth
+    activations the traced moment, with every block's saved activations at the whole model's depth (QLoRA: each
+                matmul's dequantized weight and its temporaries are traced where they happen)
 
 The peak is the largest moment, or the optimizer step (static, the sharded gradients, the optimizer's
 temporaries). ``benchmarks/bench_founding.py`` checks it against what a real step allocates.
@@ -63,7 +62,6 @@ class GroupPlanBytes:
     grads: int  # its trainable parameters' unsharded gradients
     reduced: int  # its reduce-scatter input
     trainable: int  # its sharded gradients
-    dequantized: int  # its largest NF4 weight in the compute dtype, and the eager pieces beside it
 
 
 @dataclass(frozen=True)
@@ -86,9 +84,7 @@ def walk(
     moments = []
     for position, index in enumerate(trace.order):
         moments += _forward_moments(trace, groups, position, index, schedule)
-        backward = _backward_moment(trace, groups, position, index, schedule)
-        if backward is not None:
-            moments.append(backward)
+        moments += _backward_moments(trace, groups, position, index, schedule)
     moments = [Moment(m.name, m.group, {**m.breakdown, "params": shards, "optimizer": state}) for m in moments]
     sharded_grads = sum(g.trainable for g in groups)
     step = {"params": shards, "unsharded_params": 0, "grads": sharded_grads, "optimizer": state}
@@ -139,7 +135,7 @@ def _forward_moments(
             "forward",
             index,
             _parts(
-                kept + group.unsharded + group.dequantized,
+                kept + group.unsharded,
                 0,
                 {"activations": moment.forward + extra},
                 prefetched,
@@ -149,32 +145,34 @@ def _forward_moments(
     return out
 
 
-def _backward_moment(
+def _backward_moments(
     trace: Trace, groups: list[GroupPlanBytes], position: int, index: int, schedule: Schedule
-) -> Moment | None:
+) -> list[Moment]:
+    """Its backward's compute peak (gathered, activations, the later groups' sharded gradients and the
+    reduce-scatter still in flight), and its post-backward (resharded: its unsharded gradients, their
+    reduce-scatter input, the previous group's all-gather on CPU's late prefetch)."""
     group = groups[index]
     extra = trace.extra_blocks * trace.saved_per_block if trace.after_block(index) else 0
     if index == trace.head:
         tokens, width = trace.head_output
-        activations = trace.decoder_output + extra + trace.head_run + tokens * width
+        peak = entering = trace.decoder_output + extra + trace.head_run + tokens * width
     else:
         moment = trace.moments[index]
         if moment.backward is None:
-            return None
-        activations = moment.backward + extra
+            return []
+        peak, entering = moment.backward + extra, (moment.before_backward or 0) + extra
     kept = _kept(trace, groups, position, backward=True)
     previous = trace.order[position - 1] if position > 0 else None
     prefetched = 0
-    if previous is not None and not schedule.late_backward_prefetch and groups[previous].kept == 0:
-        if _has_backward(trace, previous):
-            prefetched = groups[previous].unsharded + groups[previous].hooked
+    if previous is not None and groups[previous].kept == 0 and _has_backward(trace, previous):
+        prefetched = groups[previous].unsharded + groups[previous].hooked
     later = trace.order[position + 1 :]
     sharded_grads = sum(groups[i].trainable for i in later)
     in_flight = groups[later[0]].reduced if later and schedule.overlap_reduce_scatter else 0
-    parts = _parts(kept + group.unsharded + group.dequantized, sharded_grads + group.grads, {}, prefetched)
-    parts["activations"] = activations
-    parts["comm_buffers"] += in_flight + group.reduced
-    return Moment("backward", index, parts)
+    early = 0 if schedule.late_backward_prefetch else prefetched  # CUDA: issued at this group's pre-backward
+    compute = _parts(kept + group.unsharded, sharded_grads, {"activations": peak}, early + in_flight)
+    reduce = _parts(kept, sharded_grads + group.grads, {"activations": entering}, prefetched + group.reduced)
+    return [Moment("backward", index, compute), Moment("backward (reduce-scatter)", index, reduce)]
 
 
 def _has_backward(trace: Trace, index: int) -> bool:
@@ -193,10 +191,8 @@ def _parts(unsharded: int, grads: int, activations: dict[str, int], buffers: int
     }
 
 
-def group_plan_bytes(
-    plan: Plan, groups: list[GroupBytes], shard: int, nf4: set[str], pieces: dict[int, int]
-) -> list[GroupPlanBytes]:
-    """Each plan group's bytes for the walk; ``pieces``: per group, the eager dequantization's temporaries."""
+def group_plan_bytes(plan: Plan, groups: list[GroupBytes], shard: int, nf4: set[str]) -> list[GroupPlanBytes]:
+    """Each plan group's bytes for the walk."""
 
     out = []
     for index, (group, spec, bytes_) in enumerate(zip(plan.groups, plan.specs, groups)):
@@ -216,7 +212,6 @@ def group_plan_bytes(
                 bytes_.unsharded_grads,
                 bytes_.reduced,
                 bytes_.trainable,
-                bytes_.dequantized + pieces.get(index, 0) if bytes_.dequantized else 0,
             )
         )
     return out
@@ -244,14 +239,14 @@ def walk_estimate(
     terms, host = memory_terms(plan, (replicate, shard), nf4, optimizer, device)
     groups = group_bytes(plan, shard, nf4, pinned=device == "cuda")
     checkpointed = tuple(p for g in plan.groups if g.policy.activation_checkpointing for p in g.paths)
-    memo = ("walk", config.mixed_precision.param_dtype, checkpointed)
+    memo = ("walk", config.mixed_precision.param_dtype, checkpointed, frozenset(nf4))
     if memo not in cache:
-        cache[memo] = trace_finetune_step(model_fn, config, plan, inputs_fn, batch, seq)
+        cache[memo] = trace_finetune_step(model_fn, config, plan, inputs_fn, batch, seq, nf4)
     trace = cache[memo]
     offloaded = offloaded_groups(plan)
     plan_bytes = [
         replace(g, trainable=0) if i in offloaded else g
-        for i, g in enumerate(group_plan_bytes(plan, groups, shard, nf4, _pieces(plan, nf4, device)))
+        for i, g in enumerate(group_plan_bytes(plan, groups, shard, nf4))
     ]
     moments = walk(trace, plan_bytes, (terms["S"], terms["O"]), _schedule(config, device), terms["T"])
     peak = max(moments, key=lambda m: m.total)
@@ -283,18 +278,3 @@ def _schedule(config: FSDPConfig, device: str) -> Schedule:
         for key in ("forward_prefetch_depth", "late_backward_prefetch", "overlap_reduce_scatter")
     }
     return Schedule(**values)
-
-
-def _pieces(plan: Plan, nf4: set[str], device: str) -> dict[int, int]:
-    """Per group, the eager dequantization's temporaries for its largest NF4 weight: a CPU target's (a CUDA
-    target dequantizes in one compiled kernel, with none: [Note: NF4 dequantized in pieces])."""
-    if device == "cuda" or not nf4:
-        return {}
-    from ..finetune.nf4_linear import piece_bytes
-
-    out = {}
-    for index, spec in enumerate(plan.specs):
-        shapes = [tuple(p.param.shape) for p in spec.params if p.fqn in nf4]
-        if shapes:
-            out[index] = max(piece_bytes(shape) for shape in shapes)
-    return out

@@ -12,8 +12,10 @@ every matmul of a QLoRA layer (measured on CPU and on an H200: ``../shared/evide
     value[r, 64 b + j] = pairs[codes[r, 32 b + j // 2], j % 2] * scales[r, b]
 
 On CUDA one compiled kernel (``torch.compile`` of that expression: the look-up and the multiply fused, no
-temporaries at all); elsewhere, eager, in runs of rows of at most ``PIECE_VALUES`` values: an int32 index and
-the looked-up pairs of one run (6 bytes a value of the run, 96 MiB at most) beside the result.
+temporaries beside the block scales); elsewhere, eager, in runs of rows of at most ``PIECE_VALUES`` values,
+each looked up into the result itself (``index_select(out=)``) and scaled in place: one run's int32 index (2
+bytes a value of the run, 32 MiB at most) is all it holds beside the result and the scales
+(``dequantize_bytes``: measured by ``tests/test_founding.py``'s allocator count).
 
 [Note: NF4 matmul]
 ``NF4Weight`` is what a QLoRA layer computes with while its group is gathered: ``F.linear(x, weight)`` runs
@@ -36,7 +38,9 @@ from .nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
 aten = torch.ops.aten
 KERNEL_ENV = "FSDP2LITE_NF4_KERNEL"  # compiled | eager: overrides the device's choice (``compiled_kernel``)
 PIECE_VALUES = 16 * 2**20  # values dequantized at once on the eager path ([Note: NF4 dequantized in pieces])
-PIECE_BYTES_PER_VALUE = 6  # its temporaries: an int32 index per two values, two looked-up values per index
+PIECE_BYTES_PER_VALUE = 2  # its temporary: an int32 index per two values (written into the result in place)
+SCALE_BYTES = 2  # a block scale, kept in the compute dtype while its weight is dequantized
+SCALE_MAKING_BYTES = 4  # while the scales are made: int8 / factor, then + mean, each in the compute dtype
 
 
 def block_scales(scalers: torch.Tensor, whole: WholeNF4) -> torch.Tensor:
@@ -88,15 +92,23 @@ def dequantize(codes: torch.Tensor, scalers: torch.Tensor, whole: WholeNF4, fuse
     out = torch.empty((rows, 2 * half), dtype=whole.dtype, device=codes.device)
     step = max(1, PIECE_VALUES // max(1, 2 * half))  # rows per piece
     for start in range(0, rows, step):
-        out[start : start + step] = _lookup_scale(codes[start : start + step], scales[start : start + step], pairs)
+        piece = out[start : start + step]  # (piece_rows, columns), written in place
+        # each code's two values; an int32 index is gathered from as it is, and freed before the next piece's
+        torch.index_select(pairs, 0, codes[start : start + step].reshape(-1).int(), out=piece.view(-1, 2))
+        piece.view(piece.shape[0], -1, BLOCK_SIZE).mul_(scales[start : start + step].unsqueeze(-1))
     return out
 
 
-def piece_bytes(shape: tuple[int, ...] | torch.Size) -> int:
-    """The eager path's temporaries for a weight of ``shape`` beside its result (module note)."""
+def dequantize_bytes(shape: tuple[int, ...] | torch.Size, compiled: bool) -> int:
+    """The most dequantizing a weight of ``shape`` holds beside its result: the block scales (two of each while
+    they are made), and on the eager path one piece's int32 index ([Note: NF4 dequantized in pieces])."""
     rows, columns = shape
+    scales = rows * columns // BLOCK_SIZE
+    making = scales * SCALE_MAKING_BYTES  # the quotient and the sum, before the quotient is freed
+    if compiled:
+        return making
     step = max(1, PIECE_VALUES // max(1, columns))
-    return min(rows, step) * columns * PIECE_BYTES_PER_VALUE
+    return max(making, scales * SCALE_BYTES + min(rows, step) * columns * PIECE_BYTES_PER_VALUE)
 
 
 class NF4Weight(torch.Tensor):
@@ -118,6 +130,13 @@ class NF4Weight(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"NF4Weight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], WholeNF4]:
+        return ["codes", "scalers"], self.whole
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], whole: WholeNF4, *_: Any) -> NF4Weight:
+        return NF4Weight(inner["codes"], inner["scalers"], whole)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight in ``dtype`` (default: its compute dtype)."""

@@ -1,0 +1,96 @@
+"""The planner's fine-tuning figures against what a real step allocates (issue 51, item 2), at CPU size.
+
+A Llama of the founding job's structure (GQA attention, SwiGLU MLP, untied embedding and head, LoRA r 16 on the
+seven projections, NF4 base held by fsdp2lite's ``NF4Rows``), narrow, as rank 0 of torch's fake process group of
+4, stepped with real tensors and counted through the CPU allocator (benchmarks/_founding.py: every op's
+temporaries included). Each row of ``fsdp2lite estimate``'s search for qlora, and lora, must be within 5% of
+the measured peak; the per-layer extrapolation the benchmark makes to 80 layers must hold too (measured at 2
+and 3 layers, extrapolated to 6, against 6 measured). ``benchmarks/bench_founding.py`` runs the same at
+Llama-3-70B's width.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fsdp2lite as fl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _founding as founding  # noqa: E402
+
+pytest.importorskip("transformers", reason="the founding job is a Hugging Face Llama: pip install transformers")
+pytest.importorskip("peft", reason="LoRA adapters are peft's: pip install peft")
+pytest.importorskip("torchao", reason="the NF4 base is torchao's: pip install torchao")
+
+SHAPE = {"hidden": 512, "intermediate": 1792, "heads": 8, "kv_heads": 2, "vocab": 4096}
+SEQ, WORLD = 256, 4
+TOLERANCE = 0.05
+
+
+def row_config(hf_config: Any, reshard: bool, prefetch: int, checkpointing: bool, offload: bool = False) -> Any:
+    """The config ``estimate --budget --write-config`` writes for the row."""
+    import transformers
+
+    from fsdp2lite.cli.estimate_search import config_for_setting
+    from fsdp2lite.estimate import default_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    settings = {
+        "finetune": "qlora", "mixed_precision": "bf16", "reshard_after_forward": reshard,
+        "forward_prefetch_depth": prefetch, "activation_checkpointing": checkpointing, "offload": offload,
+        "offload_groups": "all" if offload else None, "optimizer_state": "host", "nvme_path": None,
+    }  # fmt: skip
+    return config_for_setting(default_config(model), settings)
+
+
+def measured_and_planned(layers: int, kind: str, config_of: Any) -> tuple[int, int]:
+    import transformers
+
+    hf_config = founding.llama_config(layers=layers, **SHAPE)
+    config = config_of(hf_config)
+    with founding.fake_group(WORLD):
+        step, _ = founding.measure_job(
+            lambda: founding.build(hf_config, kind, config, WORLD, torch.device("cpu"), target="cpu"),
+            SEQ, 1, SHAPE["vocab"], torch.device("cpu"), host_resident=config.offload.device == "cpu",
+        )  # fmt: skip
+    estimate = fl.estimate_memory(
+        lambda: transformers.AutoModelForCausalLM.from_config(hf_config), config, world_size=WORLD, batch=1,
+        seq=SEQ, finetune=kind, method="analytic", device="cpu",
+    )  # fmt: skip
+    return step.peak, estimate.peak_bytes
+
+
+@pytest.mark.parametrize(
+    "kind, reshard, prefetch, checkpointing",
+    [
+        ("qlora", True, 1, True),  # the founding job's choice
+        ("qlora", False, 1, True),  # every layer's gathered weights kept to its backward
+        ("qlora", True, 0, False),  # every activation saved
+        ("lora", True, 1, True),  # a bf16 base
+        ("qlora-offload", True, 1, True),  # every group's shards on the host: the device's share
+    ],
+)
+def test_the_planner_is_within_5_percent_of_what_a_step_allocates(
+    kind: str, reshard: bool, prefetch: int, checkpointing: bool
+) -> None:
+    offload = kind.endswith("-offload")
+    config_of = lambda c: row_config(c, reshard, prefetch, checkpointing, offload)  # noqa: E731
+    measured, planned = measured_and_planned(3, kind.removesuffix("-offload"), config_of)
+    assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured, planned / measured)
+
+
+def test_per_layer_extrapolation_and_the_whole_depth() -> None:
+    """What bench_founding.py does at 70B width: two depths measured, the line through them at 6 layers equals
+    6 layers measured (within 2%), and the planner's figure for 6 layers is within 5% of it."""
+    config_of = lambda c: row_config(c, True, 1, True)  # noqa: E731
+    measured = {layers: measured_and_planned(layers, "qlora", config_of)[0] for layers in (2, 3)}
+    whole, planned = measured_and_planned(6, "qlora", config_of)
+    extrapolated = founding.per_layer(measured, 6)
+    assert abs(extrapolated / whole - 1) <= 0.02, (extrapolated, whole)
+    assert abs(planned / whole - 1) <= TOLERANCE, (planned, whole)
