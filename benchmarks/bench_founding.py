@@ -19,7 +19,8 @@ check that a memory claim is measured, not modelled.
 
 How to run (CPU: about 25 minutes on 2 cores at the defaults; ``--seq 512`` about 8):
     .venv/bin/python benchmarks/bench_founding.py [--world 4] [--seq 2048] [--depths 2,3] [--rows chosen]
-    python benchmarks/bench_founding.py --device cuda --world 4 --budget 24GiB   # on a GPU (scripts/gpu_checks.sh)
+    python benchmarks/bench_founding.py --device cuda --world 4 --budget 24GiB   # on a GPU (scripts/gpu_checks.sh):
+                                                    # the config estimate --budget writes for this GPU, measured
 Writes ``results/founding-<device>-<YYYYmmdd-HHMMSS>.{json,md}``; ``--no-save`` prints only.
 """
 
@@ -122,8 +123,23 @@ def cpu_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]
     return out
 
 
+def written_config(world: int, budget: int, out_dir: Path) -> fl.FSDPConfig:
+    """The config ``fsdp2lite estimate --budget --write-config`` writes for the founding job on this GPU."""
+    from fsdp2lite.cli import main as cli
+
+    name = torch.cuda.get_device_name().lower()
+    gpu = next((kind for kind in ("h200", "h100", "a100", "rtx4090") if kind.replace("rtx", "") in name), "h100")
+    path = out_dir / f"founding-written-w{world}.yaml"
+    argv = ["estimate", "--model", "llama-3-70b", "--world-size", str(world), "--budget", f"{budget}B"]
+    code = cli([*argv, "--finetune", "qlora", "--gpu", gpu, "--write-config", str(path)])
+    if code != 0:
+        raise SystemExit(f"fsdp2lite estimate found nothing that fits {budget} bytes at world {world} (exit {code})")
+    return fl.FSDPConfig.from_yaml(path)
+
+
 def cuda_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
-    """The whole model on this GPU, capped at the budget less the context, each row beside the planner's."""
+    """The whole model on this GPU, capped at the budget less the context, each row beside the planner's
+    (``written``: the config the budget search writes)."""
     free, total = torch.cuda.mem_get_info()
     context = total - free - torch.cuda.memory_reserved()  # the driver's and libraries' share, not PyTorch's
     cap = args.budget - context
@@ -131,9 +147,10 @@ def cuda_rows(args: argparse.Namespace, console: Console) -> list[dict[str, Any]
     whole = llama_config(**LLAMA_3_70B)
     out = []
     for row in args.rows:
-        config = job_config(whole, row)
+        config = written_config(args.world, args.budget, args.out_dir) if row == "written" else job_config(whole, row)
         estimate = planned(whole, config, args.world, args.seq)
-        entry: dict[str, Any] = {"row": row, "settings": settings(row), "context": context, "cap": cap}
+        entry: dict[str, Any] = {"row": row, "context": context, "cap": cap}
+        entry["settings"] = config.model_dump(mode="json") if row == "written" else settings(row)
         entry.update(planned_peak=estimate.peak_bytes, planned_reserved=estimate.reserved_bytes)
         started = time.perf_counter()
         try:
@@ -182,14 +199,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world", type=int, default=4, help="ranks the job is sharded over (this is rank 0)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--depths", default="2,3", help="CPU: the decoder layers measured (two or more)")
-    parser.add_argument("--rows", default="chosen,prefetch0", help=f"settings: {', '.join(ROWS)}")
+    parser.add_argument(
+        "--rows", default=None, help=f"settings: {', '.join(ROWS)}; CUDA also written (default: chosen,prefetch0 on "
+        "CPU, written on CUDA)",
+    )  # fmt: skip
     parser.add_argument("--budget", default="24GiB", help="CUDA: the card's memory (the cap is this less the context)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     args.depths = sorted({int(d) for d in args.depths.split(",")})
-    args.rows = args.rows.split(",")
-    unknown = [row for row in args.rows if row not in ROWS]
+    args.rows = (args.rows or ("written" if args.device == "cuda" else "chosen,prefetch0")).split(",")
+    unknown = [row for row in args.rows if row not in ROWS and not (row == "written" and args.device == "cuda")]
     if unknown or len(args.depths) < 2:
         parser.error(
             f"--rows {unknown} unknown (valid: {', '.join(ROWS)})" if unknown else "--depths needs two or more"

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The GPU checks still owed by issues 33 and 34, as one command for a session that is lent a GPU (the device
-# tool's `run`; estimated 9-11 minutes on one H100 with torch 2.11, never yet timed: one device call may run at
-# most 10, so run it in two calls, `bash scripts/gpu_checks.sh gpu-tests fused-quantize offload-memory` and
-# `bash scripts/gpu_checks.sh link offload-step`). Arguments name the steps to run (default: all five).
-# Everything it writes goes to $OUT (default ./gpu-out): each step's log and its benchmark JSON. A step that
-# fails does not stop the others; the exit status is the first failure's.
+# What a session lent a GPU runs first (issues 51 and 53), as one command: the founding job measured, then the
+# GPU tests and the GPU benchmarks. Estimated (never yet timed in this order) on one H200 with torch 2.11: the
+# founding job at 4 and 2 ranks about 4 minutes, the gpu-marked tests 1, bench_gpu 2, the rest 4; one device
+# call may run at most 10, so run it in two calls: `bash scripts/gpu_checks.sh founding-4 founding-2 gpu-tests
+# fused-quantize` and `bash scripts/gpu_checks.sh gpu-bench offload-memory link offload-step`. Arguments name
+# the steps to run (default: all). Everything it writes goes to $OUT (default ./gpu-out): each step's log and
+# its benchmark JSON and Markdown. A step that fails does not stop the others; the exit status is the first
+# failure's.
 #
 # Before the call, here (the GPU image has torch 2.11, triton, transformers, rich, PyYAML and peft, but not
 # pydantic or torchao: carry them as wheels; /.whl/ is ignored by git; pydantic-core must be the version
 # the pydantic wheel names, see /work/.library/device/README.md):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection torchao==0.18.0 peft==0.21.2
 # then run (carry [".whl"], timeout_s 600):
-#   bash scripts/gpu_checks.sh
+#   bash scripts/gpu_checks.sh founding-4 founding-2 gpu-tests fused-quantize
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -40,6 +42,11 @@ step() {  # step NAME COMMAND...: run it (if asked for), log to $out/NAME.log, r
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/env.txt" 2>&1
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' >>"$out/env.txt" 2>&1
+# 0. the founding job (issue 51): Llama-3-70B QLoRA as rank 0 of a fake group of 4, then 2, under a 24 GiB card's
+#    budget less the CUDA context measured here, with the config `fsdp2lite estimate --budget 24GiB` writes for
+#    this GPU: peak allocated and reserved, forward and backward peaks, the microbatch time, beside the planner's
+step founding-4 "$python" benchmarks/bench_founding.py --device cuda --world 4 --budget 24GiB --out-dir "$out"
+step founding-2 "$python" benchmarks/bench_founding.py --device cuda --world 2 --budget 24GiB --out-dir "$out"
 # 1. the gpu-marked tests: pinned buffers registered at their exact size, the gradient pool (one buffer per group
 #    kept, one for all under step_in_backward, its host steps overlapped with backward and not), accumulated
 #    gradients read after their copy lands, the host-to-device copy on the copy-in stream at world size 1
@@ -47,6 +54,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/env.
 step gpu-tests "$python" -m pytest -q -m gpu tests -p no:cacheprovider
 #    the fused quantize kernels bit-identical to the eager ops on CUDA (issue 34, item 3)
 step fused-quantize "$python" -m pytest -q tests/test_fused_quantize.py -p no:cacheprovider
+#    the step against torch's fully_shard at fake world 8, bf16, with the host time per phase (issue 53)
+step gpu-bench "$python" benchmarks/bench_gpu.py --runs w8 --dtypes bf16 --profile --out-dir "$out"
 # 2. pinned host bytes against torch's CPUOffloadPolicy on a 1.3B GPT at fake world 8, fsdp2lite with gradients kept
 #    and stepped in backward (issue 33, item 3)
 step offload-memory "$python" benchmarks/bench_offload_memory.py --device cuda --out-dir "$out"

@@ -221,6 +221,7 @@ def test_cli_budget_writes_a_config_that_applies(tmp_path: Path, capsys: pytest.
     out_path = tmp_path / "fits.yaml"
     budget = str(int(full * 0.8))  # fp32 does not fit, bf16 does
     argv = ["estimate", "--model", MODEL, "--world-size", "8", "--batch", "4", "--method", "analytic"]
+    argv += ["--cuda-context", "0"]  # a budget of a few MiB: the model's own figures, no context taken off
     assert main([*argv, "--budget", budget, "--write-config", str(out_path), "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     choice = record["budget"]["choice"]

@@ -19,6 +19,7 @@ from _models import example_train, tiny_llama  # noqa: E402
 
 import fsdp2lite as fl  # noqa: E402
 from fsdp2lite.cli import main  # noqa: E402
+from fsdp2lite.cli.estimate_search import search_order  # noqa: E402
 from fsdp2lite.estimate import estimate_memory, sharded_nbytes  # noqa: E402
 from fsdp2lite.estimate.finetune import (  # noqa: E402
     NF4_BITS,
@@ -279,7 +280,8 @@ def test_cli_budget_writes_the_fastest_fitting_setting_and_its_command(
     captured = capsys.readouterr()
     record, out = json.loads(captured.out), captured.err
     fitting = [row for row in record["budget"]["tried"] if row["fits"]]
-    assert record["tokens_per_s"] >= 0.999 * max(row["tokens_per_s"] for row in fitting)  # to 3 digits
+    fastest = min(search_order(row)[0] for row in fitting)  # tokens/s to 3 digits: the model is not finer
+    assert search_order(record["budget"]["choice"])[0] == fastest
     assert f"examples/train.py --config {out_path}" in record["train_command"]
     assert f"--finetune {record['finetune']}" in record["train_command"] and "recommended:" in out
     assert fl.FSDPConfig.from_yaml(out_path).wrap  # a policy file fsdp2lite reads back
@@ -288,4 +290,7 @@ def test_cli_budget_writes_the_fastest_fitting_setting_and_its_command(
     simulated = checked["budget"]["simulated"]  # --method simulate: the choice run on the real runtime too
     assert simulated["method"] == "simulate" and simulated["finetune"] == checked["finetune"] == "lora"
     assert 0.7 <= simulated["peak_bytes"] / checked["peak_bytes"] <= 1.3
-    assert main([*args[:-1], "1KiB", "--host-ram", "1GiB"]) == 1  # nothing fits a 1 KiB device
+    assert main([*args[:-1], "1KiB", "--host-ram", "1GiB", "--cuda-context", "0"]) == 1  # nothing fits 1 KiB
+    assert main([*args[:-1], "512MiB"]) == 2  # a card the CUDA context takes whole: refused, naming both
+    captured = capsys.readouterr()
+    assert "--budget: 512.0 MiB leaves nothing beside the CUDA context of 619.0 MiB" in captured.out + captured.err

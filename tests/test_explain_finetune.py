@@ -174,6 +174,8 @@ def test_identical_groups_collapse_and_different_ones_do_not(llama_dir: Path) ->
     runs = collapse_rows(explain_config(model, default_config(model), 2).rows)
     assert [(run.count, run.label) for run in runs] == [
         (3, "3 x LlamaDecoderLayer (model.layers.0 .. model.layers.2)"),
+        (1, "model.embed_tokens"),
+        (1, "lm_head"),
         (1, "<root>"),
     ]
     config = fl.FSDPConfig.model_validate(

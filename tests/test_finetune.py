@@ -254,6 +254,35 @@ def check_resume(rank: int, world_size: int, checkpoint_dir: str) -> None:
 
 
 @needs_torchao
+def check_chunked_loss_and_one_gather_each(rank: int, world_size: int) -> None:
+    """examples/train.py's loss (the frozen head and the cross-entropy run by run: finetune.head_loss, here runs
+    of 8 tokens, 2 a batch) trains as the full logits' loss does (bf16 compute: the same logits, summed in
+    another order); and with configs/hf_causal_lm.yaml the embedding and the head are groups of their own: the
+    embedding all-gathered once a step (nothing flows back to it, so backward never gathers it), the head once
+    in its forward and once more for its backward (resharded after forward in between)."""
+    import fsdp2lite.finetune.head_loss as head_loss
+    from fsdp2lite.finetune.data.text import window_loss
+
+    head_loss.CHUNK_LOGIT_BYTES = 4 * 96 * 8  # 8 tokens a run at the tiny Llama's vocabulary of 96
+    chunked, full = finetune_model("lora"), finetune_model("lora")
+    for model in (chunked, full):
+        shard_fsdp2lite(model)
+    optimizers = [adamw(chunked), adamw(full)]
+    for step in range(STEPS):
+        window = batch(step, rank)
+        with fl.record_trace(chunked) as trace:
+            losses = [window_loss(chunked, window), loss_of(full, window)]
+            for loss in losses:
+                loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=2e-3, atol=2e-3)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        gathers = {group: trace.names(group).count("all_gather_issue") for group in {e.group for e in trace.events}}
+        assert gathers["base_model.model.model.embed_tokens"] == 1, gathers
+        assert gathers["base_model.model.lm_head"] == 2, gathers
+
+
 def test_finetune_world2(tmp_path: Path) -> None:
     from functools import partial
 
@@ -262,6 +291,7 @@ def test_finetune_world2(tmp_path: Path) -> None:
         partial(check_lora_and_qlora_against_torch, adapter_dir=str(tmp_path / "adapter")),
         partial(check_nf4_bytes, adapter_dir=""),
         partial(check_resume, checkpoint_dir=str(tmp_path / "ckpt")),
+        check_chunked_loss_and_one_gather_each,
     )
 
 

@@ -4,7 +4,7 @@ A Llama of the founding job's structure (GQA attention, SwiGLU MLP, untied embed
 seven projections, NF4 base held by fsdp2lite's ``NF4Rows``), narrow, as rank 0 of torch's fake process group of
 4, stepped with real tensors and counted through the CPU allocator (benchmarks/_founding.py: every op's
 temporaries included). Each row of ``fsdp2lite estimate``'s search for qlora, and lora, must be within 5% of
-the measured peak; the per-layer extrapolation the benchmark makes to 80 layers must hold too (measured at 2
+the measured peak, by the search's method (analytic) and by ``estimate``'s default (simulate); the per-layer extrapolation the benchmark makes to 80 layers must hold too (measured at 2
 and 3 layers, extrapolated to 6, against 6 measured). ``benchmarks/bench_founding.py`` runs the same at
 Llama-3-70B's width.
 """
@@ -49,7 +49,7 @@ def row_config(hf_config: Any, reshard: bool, prefetch: int, checkpointing: bool
     return config_for_setting(default_config(model), settings)
 
 
-def measured_and_planned(layers: int, kind: str, config_of: Any) -> tuple[int, int]:
+def measured_and_planned(layers: int, kind: str, config_of: Any, method: str = "analytic") -> tuple[int, int]:
     import transformers
 
     hf_config = founding.llama_config(layers=layers, **SHAPE)
@@ -61,7 +61,7 @@ def measured_and_planned(layers: int, kind: str, config_of: Any) -> tuple[int, i
         )  # fmt: skip
     estimate = fl.estimate_memory(
         lambda: transformers.AutoModelForCausalLM.from_config(hf_config), config, world_size=WORLD, batch=1,
-        seq=SEQ, finetune=kind, method="analytic", device="cpu",
+        seq=SEQ, finetune=kind, method=method, device="cpu",
     )  # fmt: skip
     return step.peak, estimate.peak_bytes
 
@@ -83,6 +83,14 @@ def test_the_planner_is_within_5_percent_of_what_a_step_allocates(
     config_of = lambda c: row_config(c, reshard, prefetch, checkpointing, offload)  # noqa: E731
     measured, planned = measured_and_planned(3, kind.removesuffix("-offload"), config_of)
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured, planned / measured)
+
+
+def test_simulate_is_within_5_percent_too() -> None:
+    """``estimate``'s default method runs the real runtime on fake tensors, NF4 weights as ``NF4Rows``."""
+    for reshard in (True, False):
+        config_of = lambda c, reshard=reshard: row_config(c, reshard, 1, True)  # noqa: E731
+        measured, planned = measured_and_planned(3, "qlora", config_of, method="simulate")
+        assert abs(planned / measured - 1) <= TOLERANCE, (reshard, planned, measured, planned / measured)
 
 
 def test_per_layer_extrapolation_and_the_whole_depth() -> None:

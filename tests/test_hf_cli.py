@@ -37,9 +37,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_explain_takes_a_model_directory_and_groups_by_no_split_modules(llama_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["explain", "--model", str(llama_dir), "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "default plan (LlamaDecoderLayer)" in out
+    assert "default plan (LlamaDecoderLayer; model.embed_tokens and lm_head a group each)" in out
     assert "3 x LlamaDecoderLayer (model.layers.0 .. model.layers.2)  wrap[0]: class=[LlamaDecoderLayer]" in out
-    assert "in 4 groups" in out  # three layers and the root, the alike layers shown once
+    assert "in 6 groups" in out  # three layers, the embedding, the head and the root, the alike layers shown once
     assert main(["explain", "--model", str(llama_dir), "--world-size", "2", "--all"]) == 0
     assert capsys.readouterr().out.count("wrap[0]: class=[LlamaDecoderLayer]") == 3  # one node per decoder layer
     assert main(["explain", "--model", str(llama_dir / "config.json"), "--world-size", "2"]) == 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,16 @@ def check_pre_result(result: Any, fqn: str) -> tuple[list[Any], Any]:
     return list(result[0]), result[1]
 
 
+PLAIN = (torch.Tensor, FakeTensor)  # a plain tensor, or its fake twin when the planner simulates a step
+
+
 def payload_layout(payload: Any, index: int, group_size: int, fqn: str) -> tuple[torch.Tensor, PayloadLayout]:
     """One pre-all-gather input's tensor and how it comes back: a plain tensor along dim 0, a record
     (``tensor``, ``dim``, ``output_size``) as it says ([Note: all-gather input records])."""
     record = not isinstance(payload, torch.Tensor)
     tensor = getattr(payload, "tensor", None) if record else payload
     what = f"parameter '{fqn}': fsdp_pre_all_gather's input {index}"
-    if type(tensor) is not torch.Tensor:
+    if type(tensor) not in PLAIN:
         got = type(payload).__name__ if not record else f"{type(payload).__name__} with tensor {type(tensor).__name__}"
         raise ValueError(
             f"{what} must be a plain tensor or an AllGatherInput(tensor, dim, output_size) of one, got {got}"

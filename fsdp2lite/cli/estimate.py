@@ -42,6 +42,7 @@ from .estimate_search import (
     communication_bytes,
     config_for_setting,
     nearest_rows,
+    room,
     search_budget,
     search_order,
     setting_time,
@@ -67,6 +68,11 @@ def parse_bytes(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_bytes_or_zero(text: str) -> int:
+    """``parse_bytes``, and ``0`` (none)."""
+    return 0 if text.strip() == "0" else parse_bytes(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +158,7 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--all", action="store_true", help="with --budget: every setting tried, not the nearest few")
     search.add_argument(
         "--cuda-context",
-        type=parse_bytes,
+        type=parse_bytes_or_zero,
         metavar="SIZE",
         default=None,
         help="with --budget on a CUDA target: what the CUDA context takes from the budget before PyTorch allocates "
@@ -301,7 +307,7 @@ def _context(args: argparse.Namespace) -> CudaContext:
     refused, naming both."""
     if args.device != "cuda":
         return CudaContext(0, "a CPU target has no CUDA context")
-    given = CudaContext(args.cuda_context or 0, "--cuda-context")
+    given = CudaContext(args.cuda_context or 0, "--cuda-context")  # 0: nothing taken off
     context = cuda_context(args.gpu or "h100") if args.cuda_context is None else given
     if args.budget <= context.nbytes:
         raise UsageError(
@@ -332,7 +338,8 @@ def _run_search(
     if context.nbytes:
         console.print(wrapped(context_line(args.budget, context), console.width), soft_wrap=True)
     if choice is None:
-        console.print(f"[red]{nothing_fits(tried, usable, args.host_ram, job.ranks_per_node)}[/red]",
+        free = room(args.device, usable)
+        console.print(f"[red]{nothing_fits(tried, usable, args.host_ram, job.ranks_per_node, free)}[/red]",
                       soft_wrap=True)  # fmt: skip
         if args.json:
             print(json.dumps(record))

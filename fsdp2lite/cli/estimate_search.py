@@ -2,8 +2,9 @@
 
 Each setting is estimated with the analytic method (the whole search answers in seconds, a 70B model
 included) and timed on the named link and GPU (``estimate.timing``). A setting fits when its *reserved*
-device peak (what the caching allocator holds: an OOM comes from that) with ``ROOM`` beside it (512 MiB for
-NCCL's buffers and cuBLAS workspaces) is within the budget less the CUDA context (``estimate.cuda_context``) and its
+device peak (what the caching allocator holds: an OOM comes from that) with ``room`` beside it (512 MiB, or a
+twentieth of a smaller budget, for NCCL's buffers and cuBLAS workspaces) is within the budget less the CUDA
+context (``estimate.cuda_context``) and its
 host memory per machine (CPU offload's shards, gradients and optimizer state at the sizes pinning takes,
 times the ranks on one machine: [Note: host bytes]) within ``--host-ram``. The choice is the fitting setting
 with the most tokens per second; ties go to the least offload, then the smaller peak.
@@ -37,7 +38,7 @@ from ..estimate.plan_bytes import nf4_paths
 from ..estimate.timing import NVME_GB_PER_S, Gpu, Link, plan_step_time
 from ._args import UsageError
 
-ROOM = 2**29  # left free on a CUDA target for NCCL's buffers and cuBLAS workspaces, which no estimate counts
+ROOM = 2**29  # left free on a CUDA target for NCCL's buffers and cuBLAS workspaces, which no estimate counts (room)
 OFFLOADS = (False, "optimizer", True)  # none, ZeRO-Offload (optimizer_only: masters and state on the host), full
 DEFAULT_NVME_PATH = "/local/nvme"  # a placeholder for the written config's nvme_path (--nvme-path)
 SEARCH: dict[str, tuple[Any, ...]] = {
@@ -140,15 +141,16 @@ def _per_group_row(
     placement = resolve_offload_budget(
         planned_factory(job.factory, finetune), _settings_config(base, {**kind, "offload_groups": 0}, str(budget)),
         **{key: job.common[key] for key in keys}, cache=caches.setdefault(finetune.adapters, {}), finetune=finetune,
-        fits=lambda found: (found.reserved_bytes or found.peak_bytes) + _room(job) <= budget,
+        fits=lambda found: (found.reserved_bytes or found.peak_bytes) + room(job.common["device"], budget) <= budget,
     )  # fmt: skip
     kind["offload_groups"] = len(placement.offloaded)
     return evaluate(job, placement.config, kind, budget, caches)
 
 
-def _room(job: SearchJob) -> int:
-    """What a setting leaves free on its target: ``ROOM`` on CUDA (what no estimate counts needs a place)."""
-    return ROOM if job.common["device"] == "cuda" else 0
+def room(device: str, budget: int) -> int:
+    """What a setting leaves free of ``budget`` on its target: on CUDA ``ROOM``, or a twentieth of a smaller
+    budget (what no estimate counts needs a place); nothing on a CPU target."""
+    return min(ROOM, budget // 20) if device == "cuda" else 0
 
 
 def evaluate(
@@ -170,7 +172,8 @@ def evaluate(
     speed = setting_time(model, config, job, finetune)
     per_node = job.ranks_per_node
     reserved = estimate.reserved_bytes or estimate.peak_bytes
-    device_fits, host_fits = reserved + _room(job) <= budget, estimate.host_bytes * per_node <= job.host_ram
+    free = room(common["device"], budget)
+    device_fits, host_fits = reserved + free <= budget, estimate.host_bytes * per_node <= job.host_ram
     return {
         **settings,
         "peak_bytes": estimate.peak_bytes,
@@ -230,7 +233,8 @@ def _settings_config(base: FSDPConfig, settings: dict[str, Any], budget: str) ->
         rule.pop("mixed_precision", None)
         rule.pop("reshard_after_forward", None)
         rule.pop("offload", None)
-        rule["activation_checkpointing"] = settings["activation_checkpointing"]
+        if rule.get("group") != "tied":  # an embedding or a head saves nothing worth recomputing
+            rule["activation_checkpointing"] = settings["activation_checkpointing"]
     data["offload"] = _offload_section(settings, budget)
     data["reshard_after_forward"] = settings["reshard_after_forward"]
     data["schedule"]["forward_prefetch_depth"] = settings["forward_prefetch_depth"]

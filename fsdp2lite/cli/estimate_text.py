@@ -13,10 +13,13 @@ A planner's number is only as useful as its assumptions are visible. ``answer_li
 the per-rank batch x sequence the peak was computed for (``--batch``, ``--seq``); the microbatches per
 rank a global batch of ``--global-batch`` sequences takes at that batch and world size, and the optimizer
 step's time at that many (each microbatch all-gathers and reduce-scatters again, so the step time is the
-microbatch's times the count; the optimizer's own step is left out, small for adapters); the budget
-left over the reserved peak, which the CUDA context, NCCL's buffers and cuBLAS workspaces (none of them
-tensors, none counted) take from; and whether this kind of job was measured on a GPU: the memory model
-was checked against one H100 for full training only (docs/estimate.md), so every other kind says no.
+microbatch's times the count; the optimizer's own step is left out, small for adapters); the budget less
+the CUDA context (``estimate.cuda_context``: measured on an H200, assumed for other kinds and said so), and
+the headroom left over the reserved peak, which NCCL's buffers and cuBLAS workspaces (not tensors, not
+counted; the search keeps 512 MiB free for them) take from; and whether this kind of job was measured on a
+GPU: the memory model was checked against one H100 for full training only (docs/estimate.md), so every
+other kind says no, lora and qlora naming the CPU measurement of real allocations they were checked
+against instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .offload_text import offload_words
 UNCOUNTED = "NCCL's buffers and cuBLAS workspaces"  # not tensors: no estimate counts them (the search leaves room)
 TIGHT = 2**29  # headroom under this is called tight: a CUDA context alone takes several hundred MiB
 GPU_CHECKED = ("full",)  # the kinds whose memory model was checked on a GPU (docs/estimate.md, one H100)
+CPU_CHECKED = ("lora", "qlora")  # checked against a real step's allocations on CPU (benchmarks/bench_founding.py)
 HEADERS = {
     "finetune": "train",
     "activation_checkpointing": "ckpt",
@@ -161,11 +165,14 @@ def answer_lines(choice: dict[str, Any], budget: int, job: dict[str, Any]) -> li
     per_rank = f"batch {batch} x seq {seq} tokens per rank (--batch, --seq)" if seq else "--inputs' batch per rank"
     tokens = f" ({sequences * seq:,} tokens)" if seq else ""
     headroom = budget - choice["reserved_bytes"]
+    kind = f"{choice['finetune']}{'' if not choice['offload'] else ' with offload'}"
     measured = (
         "the memory model matched one H100 for full training (docs/estimate.md); this model and GPU have not run"
         if choice["finetune"] in GPU_CHECKED and not choice["offload"]
-        else f"no ({choice['finetune']}{'' if not choice['offload'] else ' with offload'} has not run on a GPU: "
-        "these figures are the planner's model)"
+        else f"no ({kind} has not run on a GPU since its memory was reworked; its figures match a real step's "
+        "allocations on CPU within 5% at Llama-3-70B's width: benchmarks/bench_founding.py, docs/finetune.md)"
+        if choice["finetune"] in CPU_CHECKED
+        else f"no ({kind} has not run on a GPU: these figures are the planner's model)"
     )
     uncounted = UNCOUNTED if job["device"] == "cuda" else "the processes' own memory (Python, torch's libraries)"
     time = (

@@ -32,7 +32,7 @@ from ..estimate.common import default_seq, token_spec
 from ..estimate.finetune import Finetune, plan_model, planned_factory
 from ..finetune.sharding import finetune_config
 from ._args import UsageError, positive_int
-from .explain_plan import Explanation, GroupRow, GroupRun, collapse_rows, explain_config, rule_classes, rule_label
+from .explain_plan import Explanation, GroupRow, GroupRun, collapse_rows, explain_config, rule_label, rule_words
 from .explain_view import placement_text, show_explanation
 from .finetune_args import add_finetune_arguments, check_feasible, finetune_from_args
 from .model_spec import build_on_meta, load_factory
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     plan_model(model, finetune)  # the model the job trains (full: unchanged)
     if config.offload.budget is not None:
         config = _resolved_budget(console, planned_factory(factory, finetune), config, args.world_size, step)
-    source = args.config or "the default plan (" + (", ".join(rule_classes(config)) or "root only") + ")"
+    source = args.config or f"the default plan ({rule_words(config)})"
     if finetune.adapters:
         config = finetune_config(config)  # as examples/train.py applies it
     peak = _peak(factory, config, args, finetune, step) if args.finetune is not None else None

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .._plan import GroupSpec
 from ..config import FSDPConfig, GroupPlan, GroupPolicy, Problem, ScheduleConfig, join_path, mesh_problems, plan_config
+from ..config.schema import as_list
 from ..estimate.finetune import Finetune, PlannedLora, nf4_bytes
 from ..estimate.plan_bytes import nf4_paths, stored_nbytes
 from ..migrate.blocks import block_classes
@@ -273,6 +274,15 @@ def rule_label(config: FSDPConfig, rule_index: int | None) -> str:
     keys = [(key, value) for key, value in (("class", rule.match.class_), ("path", rule.match.path)) if value]
     text = " ".join(f"{key}={value if isinstance(value, str) else '[' + ', '.join(value) + ']'}" for key, value in keys)
     return f"wrap[{rule_index}]: {text}" + {True: " (group)", "tied": " (tied modules grouped)"}.get(rule.group, "")
+
+
+def rule_words(config: FSDPConfig) -> str:
+    """The default plan's rules in words: the classes they match, and the modules a path rule gives a group each
+    (the estimate's default for a Hugging Face model: its embedding and its head)."""
+    paths = [glob for rule in config.wrap if rule.match.class_ is None for glob in as_list(rule.match.path or [])]
+    shown = [glob for glob in paths if not glob.startswith("*")]
+    words = ", ".join(rule_classes(config)) or "root only"
+    return words + (f"; {' and '.join(shown)} a group each" if shown else "")
 
 
 def rule_classes(config: FSDPConfig) -> list[str]:

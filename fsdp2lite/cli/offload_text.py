@@ -70,17 +70,26 @@ def offload_words(row: dict[str, Any]) -> str:
     return text
 
 
-def nothing_fits(tried: list[dict[str, Any]], budget: int, host_ram: int, per_node: int) -> str:
-    """Why no row fits, with the numbers: the device budget, or ``--host-ram`` (the least host memory per
-    machine of the rows that fit the device)."""
+def nothing_fits(tried: list[dict[str, Any]], budget: int, host_ram: int, per_node: int, room: int = 0) -> str:
+    """Why no row fits, with the numbers: the device budget (the nearest setting and what it lacks, ``room``
+    kept free beside it included), or ``--host-ram`` (the least host memory per machine of the rows that fit
+    the device)."""
     on_device = [row for row in tried if row.get("device_fits")]
     text = (
         f"nothing tried fits {human_bytes(budget)} of device memory and {human_bytes(host_ram)} of host memory "
         "per machine"
     )
     if not on_device:
-        least = min((row["reserved_bytes"] for row in tried), default=0)
-        return text + f": the smallest reserved peak is {human_bytes(least)}, over the {human_bytes(budget)} budget"
+        if not tried:
+            return text
+        nearest = min(tried, key=lambda row: row["reserved_bytes"])
+        least = nearest["reserved_bytes"]
+        what = nearest["finetune"] + (", activation checkpointing" if nearest.get("activation_checkpointing") else "")
+        return (
+            text + f": the smallest reserved peak is {human_bytes(least)}, over the {human_bytes(budget)} budget; "
+            f"the nearest setting ({what}, {offload_words(nearest)}) lacks {human_bytes(least + room - budget)}"
+            + (f" ({human_bytes(room)} kept free beside it for NCCL's buffers and cuBLAS workspaces)" if room else "")
+        )
     least = min(on_device, key=lambda row: row["host_bytes_per_machine"])
     return (
         text + f": {len(on_device)} fit the device, and the least host memory per machine among them is "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -133,3 +134,17 @@ def pinned_nbytes(nbytes: int) -> int:
     """What torch's pinned (caching host) allocator takes for a ``nbytes`` request: the next power of two
     (pytorch#150517; every offloaded shard and each group's host gradient buffer is one request)."""
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def planned_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(codes, int8 block scales, the shared constants) of an NF4 weight of ``weight``'s shape and compute dtype,
+    made where the caller's mode makes tensors (fake, for the planner): what ``NF4Rows`` and ``NF4Weight`` hold.
+    A shape ``to_nf4`` would refuse gets its last unit of scales padded (the planner still counts it)."""
+    from ..finetune.nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
+
+    rows, columns = weight.shape
+    codes = torch.zeros((rows, columns // 2), dtype=torch.uint8)
+    scalers = torch.zeros((rows, columns // BLOCK_SIZE), dtype=torch.int8)
+    factors = torch.ones(-(-rows * columns // (BLOCK_SIZE * SCALER_BLOCK_SIZE)), dtype=weight.dtype)
+    mean = torch.zeros((), dtype=weight.dtype)
+    return codes, scalers, WholeNF4(weight.shape, weight.dtype, factors, mean, torch.ones(16, dtype=weight.dtype))

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ..config import FSDPConfig, Plan, checkpoint_forward
 from .common import materialized, step_inputs, step_loss
+from .finetune import planned_nf4
 
 TRACED_BLOCKS = 2  # blocks the step is traced with ([Note: traced moments])
 _PARAMETER_SIDE = ("Parameter", "Gradient", "Buffer", "Optstate")
@@ -142,21 +143,15 @@ def _compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
 
 
 def _nf4_weights(model: nn.Module, paths: set[str]) -> None:
-    """Each weight at ``paths`` as an ``NF4Weight`` of its shape (fake codes and block scales): what the gathered
-    QLoRA base is while a group computes ([Note: NF4 matmul])."""
+    """Each weight at ``paths`` as an ``NF4Weight`` of its shape: what the gathered QLoRA base is while a group
+    computes ([Note: NF4 matmul])."""
     from ..finetune.nf4_linear import NF4Weight
-    from ..finetune.nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
 
     for path in paths:
         owner, _, name = path.rpartition(".")
         module = model.get_submodule(owner)
-        weight = module._parameters[name]
-        rows, columns = weight.shape
-        codes = torch.empty((rows, columns // 2), dtype=torch.uint8)
-        scalers = torch.empty((rows, columns // BLOCK_SIZE), dtype=torch.int8)
-        factors = torch.ones(rows * columns // (BLOCK_SIZE * SCALER_BLOCK_SIZE), dtype=weight.dtype)
-        whole = WholeNF4(weight.shape, weight.dtype, factors, torch.zeros((), dtype=weight.dtype), torch.ones(16))
-        module._parameters[name] = nn.Parameter(NF4Weight(codes, scalers, whole), requires_grad=False)
+        parts = planned_nf4(module._parameters[name])  # type: ignore[arg-type]
+        module._parameters[name] = nn.Parameter(NF4Weight(*parts), requires_grad=False)
 
 
 def _present(model: nn.Module, path: str) -> bool:

@@ -252,8 +252,15 @@ def walk_estimate(
     peak = max(moments, key=lambda m: m.total)
     phase = peak.name.split(" ")[0]
     label = None if peak.group is None else plan.specs[peak.group].label
+    last = max(trace.blocks, key=trace.order.index) if trace.blocks else None
+    recomputed = 0 if last is None else (trace.moments[last].backward or 0) - (trace.moments[last].before_backward or 0)
+    terms = {"S": terms["S"], "O": terms["O"], "S_t": terms["S_t"], "A_b": trace.saved_per_block, "A_r": recomputed}
     notes = (
         f"peak = {peak.name} of {label or 'the step'} ([Note: the fine-tuning walk])",
+        "terms: "
+        + ", ".join(f"{key} {value:,}" for key, value in terms.items())
+        + " (S shards, O optimizer state, S_t trainable shards, A_b a block's saved activations, A_r a block's "
+        "backward working set)",
         finetune_note(finetune, plan, nf4),
         f"activations traced on fake tensors at {TRACED_BLOCKS} blocks, {trace.extra_blocks} more added at "
         f"{trace.saved_per_block:,} bytes each",

@@ -11,10 +11,11 @@ at world 8 3.8x the measured peak); 2.13 does not. ``local_shard_tracker`` stops
 propagates, on every version, so the estimate counts local shards only.
 
 [Note: qlora simulated]
-torchao's NF4 weights are not run on fake tensors here: qlora is simulated with its adapted base weights
-in bf16 (the runtime, schedule and activations are lora's, which they share), and the plan then counts
-those weights as stored and gathered: the shards at NF4's size, the gathered groups at the peak scaled
-by the plan's NF4/bf16 ratio, plus one weight dequantized to bf16 for its matmul (torchao's transient).
+qlora runs as it trains: each adapted base weight is the ``NF4Rows`` ``finetune.quantize_base`` makes (fake codes
+and block scales of the weight's shape), sharded, all-gathered through its hooks into an ``NF4Weight`` and
+dequantized at each matmul by fsdp2lite's own kernel, so the shards, the gathered groups and every
+dequantization's temporaries are the runtime's own (eager: a CUDA target's compiled kernel makes no index, at
+most 32 MiB less).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from .common import (
     step_inputs,
     step_loss,
 )
-from .finetune import Finetune
-from .host import host_bytes, host_note, offloaded_groups, on_host_optimizer
+from .finetune import Finetune, planned_nf4
+from .host import host_bytes, host_note, on_host_optimizer
 from .plan_bytes import GroupBytes, group_bytes, nf4_paths, trained_bytes
 from .reserved import AllocationRecorder, from_replay, streams_tagged
 
@@ -82,7 +83,9 @@ def simulate_estimate(
         plan = plan_config(model, config)
         nf4 = nf4_paths(model) if finetune is not None and finetune.kind == "qlora" else set()
         groups = group_bytes(plan, shard, nf4, pinned=device == "cuda")
-        bf16 = group_bytes(plan, shard, pinned=device == "cuda") if nf4 else groups
+        with fake:
+            held_by_rows(model, nf4)  # [Note: qlora simulated]
+        plan = plan_config(model, config)
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type="cpu")  # not fake
         with fake:
             apply_config(model, on_host_optimizer(config), mesh)  # NVMe: counted from the plan ([Note: host bytes])
@@ -96,7 +99,7 @@ def simulate_estimate(
     finally:
         dist.destroy_process_group()
     trained = trained_bytes(plan, groups, replicate)
-    estimate = _planned(estimate, plan, (groups, bf16, trained), finetune, optimizer)
+    estimate = _planned(estimate, plan, (groups, trained), finetune, optimizer)
     if replays is None:
         return estimate
     reserved = from_replay(estimate.peak_bytes, *replays)
@@ -108,34 +111,20 @@ def simulate_estimate(
 def _planned(
     estimate: MemoryEstimate,
     plan: Plan,
-    bytes_of: tuple[list[GroupBytes], list[GroupBytes], list[int]],
+    bytes_of: tuple[list[GroupBytes], list[int]],
     finetune: Finetune | None,
     optimizer: str,
 ) -> MemoryEstimate:
-    """The measured estimate with what the plan knows better: NF4's bytes for qlora ([Note: qlora
-    simulated]) and the host side of CPU offload at the sizes pinning takes, NVMe's files and staging
-    buffers included ([Note: host bytes]). ``bytes_of``: per group, its bytes (NF4 counted), the same with
-    the NF4 weights in bf16, and its trainable shards' bytes."""
-    groups, bf16, trained = bytes_of
-    breakdown = dict(estimate.breakdown)
-    offloaded = offloaded_groups(plan)
-    if groups is not bf16:
-        kept = [i for i in range(len(groups)) if i not in offloaded]
-        breakdown["params"] -= sum(bf16[i].sharded - groups[i].sharded for i in kept)
-        if estimate.phase != "optimizer":  # the gathered groups at the peak: as NF4, and one weight dequantized
-            ratio = sum(g.unsharded for g in groups) / max(1, sum(g.unsharded for g in bf16))
-            breakdown["unsharded_params"] = int(breakdown["unsharded_params"] * ratio)
-            breakdown["unsharded_params"] += max(g.dequantized for g in groups)
+    """The measured estimate with what the plan knows better: the host side of CPU offload at the sizes pinning
+    takes, NVMe's files and staging buffers included ([Note: host bytes]). ``bytes_of``: per group, its bytes
+    and its trainable shards' bytes."""
+    groups, trained = bytes_of
     host = host_bytes(plan, groups, trained, estimate.host_bytes, optimizer)
     notes = estimate.notes + ((host_note(host),) if host.pinned else ())
     if finetune is not None and finetune.adapters:
         notes = (*notes, f"{finetune.label()}: the frozen base has no gradients or optimizer state")
-        if groups is not bf16:
-            notes = (*notes, "qlora: run with a bf16 base, its adapted weights then counted at NF4's 4.127 bits")
     return replace(
         estimate,
-        peak_bytes=sum(breakdown.values()),
-        breakdown=breakdown,
         host_bytes=host.pinned,
         host_exact_bytes=host.exact,
         nvme_bytes=host.nvme,
@@ -143,6 +132,18 @@ def _planned(
         notes=notes,
         finetune=finetune.kind if finetune is not None else "full",
     )
+
+
+def held_by_rows(model: nn.Module, paths: set[str]) -> None:
+    """Each weight at ``paths`` (qlora's adapted base weights) as the ``NF4Rows`` ``finetune.quantize_base``
+    makes, on the model's (fake) device: [Note: qlora simulated]."""
+    from ..finetune.nf4_rows import NF4Rows
+
+    for path in paths:
+        owner, _, name = path.rpartition(".")
+        module = model.get_submodule(owner)
+        parts = planned_nf4(module._parameters[name])  # type: ignore[arg-type]
+        module._parameters[name] = nn.Parameter(NF4Rows(*parts), requires_grad=False)
 
 
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:

@@ -10,11 +10,17 @@ search by it.
 
 The model (docs/estimate.md, "Step time", checks it against two published runs):
 
-    compute_s = tokens_per_gpu * F / (tflops * mfu)
+    compute_s = tokens_per_gpu * F / (tflops * mfu) + dequant_s
         F = forward + 2 P + 2 A + 2 P_t (+ forward with activation checkpointing), forward = 2 P + A
         P all parameters, P_t trainable ones, A attention's forward FLOP per token (4 layers seq hidden)
         full:       F = 6 P + 3 A            (weight gradients for every weight)
         lora/qlora: F = 4 P + 3 A + 2 P_t    (frozen weights get input gradients, no weight gradients)
+                    + 2 H                    (a frozen head's logits made again in backward: finetune.head_loss)
+    dequant_s = passes * N * (2.5 + 2/64) bytes / (HBM bandwidth * 0.8)
+        qlora: N NF4 values (every adapted weight, whole: each rank dequantizes the gathered weight), each
+        dequantized once per pass that multiplies by it: forward, input gradient, and the recomputed forward
+        with activation checkpointing (passes 2 or 3); fsdp2lite's compiled kernel reads half a byte and writes
+        a bf16 per value (finetune/nf4_linear.py); 0.8 of the bandwidth is an assumption, not a measurement
     comm_s = collectives * latency + sent_per_rank / bandwidth
         sent_per_rank = (n - 1) / n * (forward all-gather + backward re-gather + reduce-scatter buffers)
         (ring all-gather and reduce-scatter: each rank sends n - 1 of its n chunks)
@@ -37,6 +43,8 @@ GPU peaks are the vendors' dense (no sparsity) BF16 tensor-core figures with FP3
     h100, h200  989 TFLOP/s   NVIDIA H100 / H200 SXM datasheets (1,979 "with sparsity")
     a100        312 TFLOP/s   NVIDIA A100 datasheet
     rtx4090     165.2 TFLOP/s NVIDIA Ada (AD102) whitepaper, "FP16/BF16 tensor, FP32 accumulate"
+Memory bandwidth (dequantization streams through it): rtx4090 1.008 TB/s, a100 2.039 TB/s (80 GB SXM),
+h100 3.35 TB/s, h200 4.8 TB/s (the vendors' datasheets, SXM parts).
 Achievable fraction (MFU) of that peak:
     h100, h200  0.40   Llama 3 paper (Dubey et al. 2024, table 4): 38-43% BF16 MFU on 8K-16K H100s
     a100        0.50   Narayanan et al. 2021 (Megatron-LM): 52% of peak on 3,072 A100s
@@ -65,6 +73,7 @@ import torch.nn as nn
 
 from .._runtime.quantize import encoded_sizes
 from ..config import Plan
+from ..finetune.head_loss import plain_head
 from ..policies import cast_dtype, reduce_cast_dtype
 from .common import element_size, sharded_nbytes
 from .finetune import NF4_BITS
@@ -84,10 +93,11 @@ class Link:
 
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU's dense BF16 peak and the fraction of it training reaches."""
+    """A GPU's dense BF16 peak and the fraction of it training reaches; its memory bandwidth."""
 
     tflops: float  # dense BF16 tensor-core peak, TFLOP/s (1e12)
     mfu: float  # achievable fraction of ``tflops`` (module docstring cites each)
+    hbm_tb_per_s: float = 3.35  # device memory bandwidth, TB/s (1e12 bytes): what dequantization streams through
 
 
 LINKS: dict[str, Link] = {
@@ -98,11 +108,13 @@ LINKS: dict[str, Link] = {
     "eth100": Link(12.0, 50.0),
 }
 GPUS: dict[str, Gpu] = {
-    "rtx4090": Gpu(165.2, 0.60),
-    "a100": Gpu(312.0, 0.50),
-    "h100": Gpu(989.0, 0.40),
-    "h200": Gpu(989.0, 0.40),
+    "rtx4090": Gpu(165.2, 0.60, 1.008),
+    "a100": Gpu(312.0, 0.50, 2.039),
+    "h100": Gpu(989.0, 0.40, 3.35),
+    "h200": Gpu(989.0, 0.40, 4.8),
 }
+DEQUANT_BYTES_PER_VALUE = 2.5 + 2 / 64  # NF4: half a byte read, a bf16 written; a block scale per 64, made twice
+STREAM_EFFICIENCY = 0.8  # the share of the memory bandwidth an elementwise kernel reaches (an assumption)
 
 Finetune = Literal["full", "lora", "qlora"]
 
@@ -140,9 +152,10 @@ class StepTime:
     comm_s: float  # collectives, if nothing overlapped them
     exposed_comm_s: float  # collectives and host copies left after overlap with compute
     h2d_s: float  # host copies of offloaded shards (and their gradients back), if nothing overlapped them
-    step_s: float  # compute_s + exposed_comm_s + nvme_s
+    step_s: float  # compute_s + exposed_comm_s + nvme_s (compute_s includes dequant_s)
     tokens_per_s: float  # world_size * tokens_per_gpu / step_s
     nvme_s: float = 0.0  # optimizer: nvme: the state read and written at the host step, not overlapped
+    dequant_s: float = 0.0  # qlora: the NF4 weights dequantized for each pass's matmuls (in compute_s)
 
 
 def find_link(name: str | Link) -> Link:
@@ -197,11 +210,15 @@ def step_time(
     overlap: float = 0.9,
     nvme_gb_per_s: float = NVME_GB_PER_S,
     schedule: Literal["cuda", "cpu"] = "cuda",
+    nf4_values: float = 0.0,
+    recomputed_params: float = 0.0,
 ) -> StepTime:
     """One step's time (module docstring). ``trainable_params``: the adapters for lora/qlora (full
     trains all ``params``); ``comm``: from ``comm_bytes`` (None: no collectives, e.g. world size 1);
     ``nvme_gb_per_s``: this rank's share of its machine's NVMe bandwidth; ``schedule``: which device's
-    defaults overlap the collectives (``cpu``: only the forward's prefetched all-gathers)."""
+    defaults overlap the collectives (``cpu``: only the forward's prefetched all-gathers); ``nf4_values``:
+    qlora's NF4 weights, each dequantized for the forward's matmul, the input gradient's and the recomputed
+    forward's; ``recomputed_params``: a frozen head whose logits the loss makes again in backward."""
     if world_size < 1 or tokens_per_gpu < 1:
         raise ValueError(f"world_size ({world_size}) and tokens_per_gpu ({tokens_per_gpu}) must be >= 1")
     if not 0.0 <= overlap <= 1.0:
@@ -210,7 +227,10 @@ def step_time(
         raise ValueError(f"schedule must be 'cuda' or 'cpu', got {schedule!r}")
     wire, host, device = find_link(link), find_link(host_link), find_gpu(gpu)
     flops = flops_per_token(params, trainable_params, finetune, checkpointing, attention_flops_per_token)
-    compute_s = tokens_per_gpu * flops / (device.tflops * 1e12 * device.mfu)
+    flops += 2 * recomputed_params
+    passes = 3 if checkpointing else 2
+    dequant_s = passes * nf4_values * DEQUANT_BYTES_PER_VALUE / (device.hbm_tb_per_s * 1e12 * STREAM_EFFICIENCY)
+    compute_s = tokens_per_gpu * flops / (device.tflops * 1e12 * device.mfu) + dequant_s
     comm_s = h2d_s = 0.0
     if comm is not None:
         if comm.shard > 1:
@@ -223,7 +243,8 @@ def step_time(
     exposed = max(0.0, comm_s + h2d_s - hidden)
     nvme_s = comm.nvme_bytes / (nvme_gb_per_s * 1e9) if comm is not None else 0.0
     step_s = compute_s + exposed + nvme_s
-    return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, world_size * tokens_per_gpu / step_s, nvme_s)
+    tokens_per_s = world_size * tokens_per_gpu / step_s
+    return StepTime(compute_s, comm_s, exposed, h2d_s, step_s, tokens_per_s, nvme_s, dequant_s)
 
 
 def _prefetched_s(comm: CommBytes, wire: Link) -> float:
@@ -347,6 +368,10 @@ def plan_step_time(
     checkpointing = any(group.policy.activation_checkpointing for group in plan.groups)
     layers, hidden = model_shape(model)
     sent = comm_bytes(plan, shard, {name: NF4_BYTES for name in nf4}, optimizer)
+    named = {name: p for group in plan.params for name, p in group.items()}
+    nf4_values = float(sum(named[name].numel() for name in nf4 if name in named))
+    head = plain_head(model) if finetune != "full" else None
+    recomputed = float(head[1].weight.numel()) if head is not None else 0.0
     return step_time(
         params=float(sum(p.numel() for p in params)),
         tokens_per_gpu=tokens_per_gpu,
@@ -360,4 +385,6 @@ def plan_step_time(
         attention_flops_per_token=attention_flops(layers, hidden, seq),
         nvme_gb_per_s=nvme_gb_per_s,
         schedule=schedule,
+        nf4_values=nf4_values,
+        recomputed_params=recomputed,
     )

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .nf4_whole import BLOCK_SIZE, SCALER_BLOCK_SIZE, WholeNF4
 
@@ -46,9 +47,13 @@ SCALE_MAKING_BYTES = 4  # while the scales are made: int8 / factor, then + mean,
 def block_scales(scalers: torch.Tensor, whole: WholeNF4) -> torch.Tensor:
     """Each 64-value block's scale ``(rows, columns / 64)`` in the compute dtype: torchao's
     ``dequantize_scalers`` expression on the whole weight's int8 ``scalers``."""
-    flat = scalers.reshape(-1, SCALER_BLOCK_SIZE)  # (blocks / 256, 256)
-    scales = (flat / whole.quantization_factor.unsqueeze(-1)).flatten().to(whole.dtype) + whole.scaler_mean
-    return scales.view(scalers.shape)
+    count = scalers.numel()
+    flat = scalers.reshape(-1)
+    if count % SCALER_BLOCK_SIZE:  # only a planned weight (fake, of a shape to_nf4 refuses) is not whole units
+        flat = F.pad(flat, (0, SCALER_BLOCK_SIZE - count % SCALER_BLOCK_SIZE))
+    units = flat.view(-1, SCALER_BLOCK_SIZE)  # (blocks / 256, 256)
+    scales = (units / whole.quantization_factor.unsqueeze(-1)).flatten().to(whole.dtype) + whole.scaler_mean
+    return scales[:count].view(scalers.shape)
 
 
 def code_pairs(whole: WholeNF4) -> torch.Tensor:
@@ -86,7 +91,8 @@ def dequantize(codes: torch.Tensor, scalers: torch.Tensor, whole: WholeNF4, fuse
     pieces]). ``fused``: one compiled kernel (default: ``compiled_kernel``), else eager runs of rows."""
     scales = block_scales(scalers, whole)
     pairs = code_pairs(whole)
-    if fused if fused is not None else compiled_kernel(codes.device):
+    fake = isinstance(codes, FakeTensor)  # the planner's traced step: the eager ops, shapes only
+    if (fused if fused is not None else compiled_kernel(codes.device)) and not fake:
         return _fused()(codes, scales, pairs)
     rows, half = codes.shape
     out = torch.empty((rows, 2 * half), dtype=whole.dtype, device=codes.device)

@@ -73,6 +73,13 @@ class NF4Rows(torch.Tensor):
             )
         return handler(func, *args, **(kwargs or {}))
 
+    def __tensor_flatten__(self) -> tuple[list[str], WholeNF4]:
+        return ["codes", "scalers"], self.whole
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], whole: WholeNF4, *_: Any) -> NF4Rows:
+        return NF4Rows(inner["codes"], inner["scalers"], whole)
+
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], None]:
         """This rank's (padded) rows of codes and of block scales, as they are."""
         return (self.codes, self.scalers), None

@@ -13,10 +13,14 @@ def finetune_config(
 ) -> FSDPConfig:
     """``config`` with ``param_dtype`` ``compute_dtype`` unless it names one (fp32 adapter masters and
     optimizer state stay sharded in fp32; None: leave it) and ``activation_checkpointing`` set on every
-    wrap rule (each decoder layer's forward recomputed in backward). peft keeps the decoder layers' class
-    names, so class rules such as configs/hf_causal_lm.yaml's still match them. A new config."""
+    wrap rule but a ``group: tied`` one (each decoder layer's forward recomputed in backward; an embedding or a
+    head saves nothing worth recomputing). peft keeps the decoder layers' class names, so class rules such as
+    configs/hf_causal_lm.yaml's still match them. A new config."""
     mixed = config.mixed_precision
     if mixed.param_dtype is None and compute_dtype is not None:
         mixed = mixed.model_copy(update={"param_dtype": compute_dtype})
-    rules = [rule.model_copy(update={"activation_checkpointing": activation_checkpointing}) for rule in config.wrap]
+    rules = [
+        rule if rule.group == "tied" else rule.model_copy(update={"activation_checkpointing": activation_checkpointing})
+        for rule in config.wrap
+    ]
     return config.model_copy(update={"mixed_precision": mixed, "wrap": rules})
