@@ -74,7 +74,7 @@ def test_the_written_job_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     text = " ".join(captured.err.split())
     assert "assumed: batch 2 x seq 64 tokens per rank (--batch, --seq); a global batch of 16 samples" in text
     assert "is 4 microbatches per rank (--grad-accum 4, from --global-batch 16)" in text
-    assert re.search(r"headroom: [\d.,]+ [KMG]iB of the 1.0 GiB budget is left over the reserved peak;", text)
+    assert re.search(r"headroom: [\d.,]+ [KMG]iB of the 1.0 GiB left to PyTorch is over the reserved peak;", text)
     assert "not counted: the processes' own memory" in text and "measured on a GPU: no (a CPU target" in text
     assert "time: not estimated for a CPU target (the step-time model is a GPU's: --gpu, --link)" in text
     assert "tokens/s" not in text.split("recommended:")[0]  # the table neither: no GPU's figure for a CPU job

@@ -66,7 +66,7 @@ def payload_layout(payload: Any, index: int, group_size: int, fqn: str) -> tuple
     record = not isinstance(payload, torch.Tensor)
     tensor = getattr(payload, "tensor", None) if record else payload
     what = f"parameter '{fqn}': fsdp_pre_all_gather's input {index}"
-    if type(tensor) not in PLAIN:
+    if not isinstance(tensor, torch.Tensor) or type(tensor) not in PLAIN:
         got = type(payload).__name__ if not record else f"{type(payload).__name__} with tensor {type(tensor).__name__}"
         raise ValueError(
             f"{what} must be a plain tensor or an AllGatherInput(tensor, dim, output_size) of one, got {got}"

@@ -330,7 +330,7 @@ def _run_search(
     usable = args.budget - context.nbytes  # what PyTorch's allocator can have of the card
     choice, tried = search_budget(job, base, usable, caches)
     rows = sorted(tried, key=search_order) if args.all else nearest_rows(tried, choice)
-    table = search_table(usable, tried, rows, choice, args.all, console.width, args.device)
+    table = search_table(args.budget, tried, rows, choice, args.all, console.width, args.device)
     console.print(table)
     record: dict[str, Any] = {"budget": {"bytes": args.budget, "host_ram": args.host_ram, "fits": choice is not None,
                                          "cuda_context_bytes": context.nbytes, "usable_bytes": usable,

@@ -12,7 +12,6 @@ Terms, per rank (bytes):
         large world sizes, mostly padding); R_g its trainable parameters' unsharded gradients
     B   the largest other group's unsharded parameters, padded the same way; B_g its unsharded gradients,
         B_r the same in reduce_dtype (the reduce-scatter input)
-    D   qlora: the largest NF4 weight dequantized to the compute dtype for its matmul (0 otherwise)
     Z   ZeRO-1/2 (``sharding.shard: optimizer``): the resident groups' unsharded parameters, there in every
         phase (B is then the largest group still gathered per use); Z_r a resident root's R, kept through
         the optimizer step too
@@ -23,7 +22,7 @@ Terms, per rank (bytes):
         backward starts with two temporaries of its size
 Candidates for the peak:
     backward, at its start:   S + O + R + Z + A + 2 L
-    backward, in a block:     S + O + R + R_g + 2 B + B_g + B_r + D + Z + A - L + A_r (root params and grads,
+    backward, in a block:     S + O + R + R_g + 2 B + B_g + B_r + Z + A - L + A_r (root params and grads,
                               a block's params, grads, reduce buffer, prefetched all-gather; activations bound)
     optimizer step:           S + S_t + O + T + Z + Z_r (sharded grads, the foreach temporaries)
 Full training has R_g = R and B_g = B. The largest is the estimate; the notes name it and its largest term.
@@ -124,7 +123,7 @@ def analytic_estimate(
 
 FORMULAS = {
     "backward": "S + O + R + Z + A + 2L",
-    "backward (in a block)": "S + O + R + R_g + 2B + B_g + B_r + D + Z + A - L + A_r (- G_h with CPU offload)",
+    "backward (in a block)": "S + O + R + R_g + 2B + B_g + B_r + Z + A - L + A_r (- G_h with CPU offload)",
     "optimizer": "S + S_t + O + T + Z + Z_r",
 }
 TERMS = {
@@ -136,7 +135,6 @@ TERMS = {
     "B": "largest block unsharded",
     "B_g": "largest block's unsharded gradients",
     "B_r": "largest block's gradients in the reduce dtype",
-    "D": "one NF4 weight dequantized for its matmul",
     "Z": "ZeRO-1/2 groups' resident unsharded parameters (the root's in R)",
     "Z_r": "a ZeRO-1/2 root's unsharded parameters, kept through the optimizer step",
     "T": "optimizer temporaries",
@@ -158,7 +156,6 @@ def _candidates(t: dict[str, int]) -> dict[str, int]:
         + 2 * t["B"]
         + t["B_g"]
         + t["B_r"]
-        + t["D"]
         + t["Z"]
         + max(0, t["A"] - t["L"])
         + t["A_r"],
@@ -191,7 +188,7 @@ def _breakdown(name: str, terms: dict[str, int]) -> dict[str, int]:
     grads = terms["R_g"] + terms["B_g"] - terms.get("G_h", 0)  # unsharded grads; offloaded sharded grads on the host
     return {
         "params": s,
-        "unsharded_params": r + 2 * b + terms["D"] + terms["Z"] + min(0, grads),
+        "unsharded_params": r + 2 * b + terms["Z"] + min(0, grads),
         "grads": max(0, grads),
         "optimizer": o,
         "activations": activations + terms["A_r"],

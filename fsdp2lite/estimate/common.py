@@ -255,7 +255,6 @@ class GroupBytes:
     unsharded: int  # the all-gather's output: every parameter in param_dtype (NF4 weights still NF4)
     unsharded_grads: int  # the unsharded gradients of its trainable parameters, in param_dtype
     reduced: int  # the reduce-scatter input: trainable parameters' gradients in reduce_dtype
-    dequantized: int  # its largest NF4 weight in the compute dtype (qlora's transient per matmul)
     pinned: int  # with CPU offload: its host shards and gradient buffer as the (pinned) allocator sizes them
     host_exact: int = 0  # the same at the sizes asked for ([Note: host bytes])
     state_file: int = 0  # optimizer: nvme: one state tensor per trainable shard, as its file lays them out

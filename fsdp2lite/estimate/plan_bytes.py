@@ -41,7 +41,6 @@ def memory_terms(
     terms["B"] = max(gathered, default=0)  # the largest group gathered per use (ZeRO-3)
     terms["B_g"] = block.unsharded_grads if block else 0
     terms["B_r"] = max((g.reduced for g in groups[:-1]), default=0)
-    terms["D"] = max((g.dequantized for g in groups), default=0)  # qlora: one NF4 weight dequantized to bf16
     largest = max(
         (sharded_nbytes(p, shard, 0) for params in plan.params for p in params.values() if p.requires_grad), default=0
     )
@@ -68,7 +67,7 @@ def group_bytes(
     ``pinned``: a CUDA target, where ``pin_memory`` pins (a CPU target's host memory is pageable)."""
     out = []
     for group, spec in zip(plan.groups, plan.specs):  # the spec fully_shard builds ([Note: one plan])
-        sharded = trainable = unsharded = grads = reduced = dequantized = grad_shards = file_bytes = slot_bytes = 0
+        sharded = trainable = unsharded = grads = reduced = grad_shards = file_bytes = slot_bytes = 0
         pin = pinned_nbytes if pinned and group.policy.offload.pin_memory else int  # pageable: exact
         requests = []  # host buffers of their own (NF4, HFSDP shards): rounded if pinned
         packed = 0  # the group's one host buffer, pinned at its exact size ([Note: one host buffer per group])
@@ -80,8 +79,6 @@ def group_bytes(
             compute = padded * element_size(cast_dtype(p, policy.param_dtype))
             stored = stored_nbytes(p, shard, dim, name in nf4)
             gathered = nf4_bytes(padded) if name in nf4 else compute
-            if name in nf4:
-                dequantized = max(dequantized, p.numel() * element_size(policy.param_dtype or p.dtype))
             sharded += stored
             unsharded += gathered
             if p.requires_grad or not group.policy.offload.optimizer_only:  # optimizer_only: masters of trainables
@@ -105,7 +102,6 @@ def group_bytes(
                 unsharded,
                 grads,
                 reduced,
-                dequantized,
                 pinned_sum,
                 exact,
                 file_bytes,

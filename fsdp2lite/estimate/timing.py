@@ -371,7 +371,7 @@ def plan_step_time(
     named = {name: p for group in plan.params for name, p in group.items()}
     nf4_values = float(sum(named[name].numel() for name in nf4 if name in named))
     head = plain_head(model) if finetune != "full" else None
-    recomputed = float(head[1].weight.numel()) if head is not None else 0.0
+    recomputed = float(sum(p.numel() for p in head[1].parameters())) if head is not None else 0.0
     return step_time(
         params=float(sum(p.numel() for p in params)),
         tokens_per_gpu=tokens_per_gpu,
