@@ -53,6 +53,7 @@ from .common import (
     token_spec,
 )
 from .finetune import Finetune
+from .finetune_trace import block_list
 from .finetune_walk import walk_estimate
 from .host import host_note
 from .plan_bytes import finetune_note, memory_terms, nf4_paths
@@ -268,15 +269,10 @@ def _layerwise(model: nn.Module, trace: Callable[[], tuple[int, int]]) -> tuple[
     ``ModuleList`` holds n >= 3 blocks of one class is traced with that list cut to 1 and to 2 blocks,
     and saves ``A(1) + (n - 1) (A(2) - A(1))`` (the blocks are alike: exact, and an 80-layer model traces
     in the time of 2). A model whose forward needs all its blocks is traced whole."""
-    found = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.ModuleList) and len(child) >= 3 and len({type(m) for m in child}) == 1
-    ]
-    if not found:
+    found = block_list(model)
+    if found is None:
         return trace()
-    parent, name, blocks = max(found, key=lambda item: sum(p.numel() for p in item[2].parameters()))
+    parent, name, blocks = found
     try:
         setattr(parent, name, nn.ModuleList(blocks[:1]))
         one, output = trace()

@@ -162,7 +162,7 @@ def _present(model: nn.Module, path: str) -> bool:
     return True
 
 
-def _block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
+def block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
     """The largest ``ModuleList`` of three or more modules of one class: the repeated blocks."""
     found = [
         (parent, name, child)
@@ -177,7 +177,7 @@ def _block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None
 
 def _cut_blocks(model: nn.Module, plan: Plan) -> tuple[list[int], list[int]]:
     """Cut the repeated blocks to ``TRACED_BLOCKS`` in place; (the plan groups of the blocks kept, of those cut)."""
-    found = _block_list(model)
+    found = block_list(model)
     if found is None:
         return [], []
     parent, name, blocks = found

@@ -39,8 +39,6 @@ from .host import offloaded_groups
 from .plan_bytes import finetune_note, group_bytes, memory_terms, nf4_paths, padded_numel
 from .reserved import from_ratio
 
-MOMENT_KEYS = ("params", "unsharded_params", "grads", "optimizer", "activations", "comm_buffers")
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -114,35 +112,23 @@ def _kept(trace: Trace, groups: list[GroupPlanBytes], position: int, backward: b
 def _forward_moments(
     trace: Trace, groups: list[GroupPlanBytes], position: int, index: int, schedule: Schedule
 ) -> list[Moment]:
+    """Its copy-out (its all-gather's output beside the parameters made from it) and its forward's peak (the
+    next groups' all-gathers in flight); a run-by-run head: the loss's runs beside the decoder's output."""
     group = groups[index]
     kept = _kept(trace, groups, position, backward=False)
     upcoming = trace.order[position + 1 : position + 1 + schedule.forward_prefetch_depth]
     prefetched = sum(groups[i].unsharded + groups[i].hooked for i in upcoming if groups[i].kept == 0)
     extra = trace.extra_blocks * trace.saved_per_block if trace.after_block(index) else 0
+    gathered = kept + group.unsharded
     if index == trace.head:
-        work = trace.decoder_output + extra + trace.head_run
-        activations = {"activations": work}
-        return [Moment("forward", index, _parts(kept + group.unsharded, 0, activations, prefetched))]
+        loss = trace.decoder_output + extra + trace.head_run
+        return [Moment("forward", index, _parts(gathered, 0, loss, prefetched))]
     moment = trace.moments[index]
     copy_out = 0 if group.direct else group.unsharded
-    out = [
-        Moment(
-            "forward (copy-out)",
-            index,
-            _parts(kept + group.unsharded, 0, {"activations": moment.before_forward + extra}, copy_out),
-        ),
-        Moment(
-            "forward",
-            index,
-            _parts(
-                kept + group.unsharded,
-                0,
-                {"activations": moment.forward + extra},
-                prefetched,
-            ),
-        ),
+    return [
+        Moment("forward (copy-out)", index, _parts(gathered, 0, moment.before_forward + extra, copy_out)),
+        Moment("forward", index, _parts(gathered, 0, moment.forward + extra, prefetched)),
     ]
-    return out
 
 
 def _backward_moments(
@@ -170,8 +156,8 @@ def _backward_moments(
     sharded_grads = sum(groups[i].trainable for i in later)
     in_flight = groups[later[0]].reduced if later and schedule.overlap_reduce_scatter else 0
     early = 0 if schedule.late_backward_prefetch else prefetched  # CUDA: issued at this group's pre-backward
-    compute = _parts(kept + group.unsharded, sharded_grads, {"activations": peak}, early + in_flight)
-    reduce = _parts(kept, sharded_grads + group.grads, {"activations": entering}, prefetched + group.reduced)
+    compute = _parts(kept + group.unsharded, sharded_grads, peak, early + in_flight)
+    reduce = _parts(kept, sharded_grads + group.grads, entering, prefetched + group.reduced)
     return [Moment("backward", index, compute), Moment("backward (reduce-scatter)", index, reduce)]
 
 
@@ -182,13 +168,9 @@ def _has_backward(trace: Trace, index: int) -> bool:
     return moment is not None and moment.backward is not None
 
 
-def _parts(unsharded: int, grads: int, activations: dict[str, int], buffers: int) -> dict[str, int]:
-    return {
-        "unsharded_params": unsharded,
-        "grads": grads,
-        "activations": activations.get("activations", 0),
-        "comm_buffers": buffers,
-    }
+def _parts(unsharded: int, grads: int, activations: int, buffers: int) -> dict[str, int]:
+    """A moment's breakdown but for the static part (the walk adds the shards and the optimizer state)."""
+    return {"unsharded_params": unsharded, "grads": grads, "activations": activations, "comm_buffers": buffers}
 
 
 def group_plan_bytes(plan: Plan, groups: list[GroupBytes], shard: int, nf4: set[str]) -> list[GroupPlanBytes]:
