@@ -4,7 +4,8 @@ A Llama of the founding job's structure (GQA attention, SwiGLU MLP, untied embed
 seven projections, NF4 base held by fsdp2lite's ``NF4Rows``), narrow, as rank 0 of torch's fake process group of
 4, stepped with real tensors and counted through the CPU allocator (benchmarks/_founding.py: every op's
 temporaries included). Each row of ``fsdp2lite estimate``'s search for qlora, and lora, must be within 5% of
-the measured peak, by the search's method (analytic) and by ``estimate``'s default (simulate); the per-layer extrapolation the benchmark makes to 80 layers must hold too (measured at 2
+the measured peak, by the search's method (analytic) and by ``estimate``'s default (simulate); the per-layer
+extrapolation the benchmark makes to 80 layers must hold too (measured at 2
 and 3 layers, extrapolated to 6, against 6 measured). ``benchmarks/bench_founding.py`` runs the same at
 Llama-3-70B's width.
 """
@@ -102,3 +103,27 @@ def test_per_layer_extrapolation_and_the_whole_depth() -> None:
     extrapolated = founding.per_layer(measured, 6)
     assert abs(extrapolated / whole - 1) <= 0.02, (extrapolated, whole)
     assert abs(planned / whole - 1) <= TOLERANCE, (planned, whole)
+
+
+def test_the_walk_counts_what_is_gathered_kept_and_in_flight() -> None:
+    """The walk's bookkeeping on a hand-made trace (embedding, two blocks, a run-by-run head; every moment's
+    activation side 0): a group kept from its forward (reshard_after_forward false) still has its all-gather in
+    flight while the group before it computes (the prefetch), is counted beside every later moment, and its
+    backward prefetches nothing of it; a frozen embedding's (no backward) stays gathered to the end."""
+    from fsdp2lite.estimate.finetune_trace import Moments, Trace
+    from fsdp2lite.estimate.finetune_walk import GroupPlanBytes, Schedule, walk
+
+    still = Moments(0, 0, 0, None, None)
+    moving = Moments(0, 0, 0, 0, 0)
+    trace = Trace([0, 1, 2, 3], {0: still, 1: moving, 2: moving}, [1, 2], 0, 0, head=3)
+
+    def group(unsharded: int, kept: bool) -> GroupPlanBytes:
+        return GroupPlanBytes(unsharded, 0, True, unsharded if kept else 0, 0, 0, 0)
+
+    groups = [group(1000, True), group(100, False), group(10, False), group(1, True)]
+    moments = walk(trace, groups, (0, 0), Schedule(1, False, True), 0)
+    at = {(m.name, m.group): m.breakdown for m in moments}
+    assert at[("forward", 2)]["unsharded_params"] == 1000 + 10 and at[("forward", 2)]["comm_buffers"] == 1  # head ahead
+    assert at[("backward", 3)]["unsharded_params"] == 1000 + 1 and at[("backward", 3)]["comm_buffers"] == 10
+    assert at[("backward", 1)]["unsharded_params"] == 1000 + 100  # the embedding: gathered to the end
+    assert ("backward", 0) not in at  # nothing flows back to it

@@ -117,7 +117,7 @@ def _forward_moments(
     group = groups[index]
     kept = _kept(trace, groups, position, backward=False)
     upcoming = trace.order[position + 1 : position + 1 + schedule.forward_prefetch_depth]
-    prefetched = sum(groups[i].unsharded + groups[i].hooked for i in upcoming if groups[i].kept == 0)
+    prefetched = sum(groups[i].unsharded + groups[i].hooked for i in upcoming)  # not gathered before
     extra = trace.extra_blocks * trace.saved_per_block if trace.after_block(index) else 0
     gathered = kept + group.unsharded
     if index == trace.head:
