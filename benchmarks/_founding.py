@@ -176,14 +176,14 @@ def fill_small(model: nn.Module) -> None:
     """Small finite values in every floating tensor and NF4 code: ``to_empty`` leaves whatever bytes were there."""
     from torch.distributed.tensor import DTensor
 
-    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     for tensor in [*model.parameters(), *model.buffers()]:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        for inner in _inner_tensors(local):
+        for inner in _inner_tensors(local):  # in place, on the tensor's device: nothing else is allocated
             if inner.is_floating_point():
-                inner.copy_(torch.rand(inner.shape, generator=generator, dtype=torch.float32) * 0.02 + 0.01)
+                inner.uniform_(0.01, 0.03)
             elif inner.dtype in (torch.uint8, torch.int8):
-                inner.copy_(torch.randint(0, 16, inner.shape, generator=generator, dtype=torch.int32))
+                inner.random_(0, 16)
 
 
 def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -217,12 +217,12 @@ def measure_job(
     ``seq``: (the measured step, bytes live after the build). ``host_resident``: every group's shards are
     offloaded, and the step's device peaks leave out what a GPU run keeps on the host ([Note: offload measured
     on CPU])."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # the warm-up at the measured length too: the timed step is a steady one
         model = build_model()
         torch.cuda.synchronize()
         built = torch.cuda.memory_allocated()
         step = _stepper(model, batch, vocab, device)
-        step(warmup_seq, lambda _: None)
+        step(seq, lambda _: None)
         return _measure_cuda(step, seq), built
     gc.collect()  # what an earlier run left to the collector is freed before the count starts
     with LiveBytes() as live:
