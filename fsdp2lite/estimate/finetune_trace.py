@@ -99,13 +99,13 @@ def trace_finetune_step(
                         checkpoint_forward(model.get_submodule(path))
         inputs, token_model = step_inputs(model, inputs_fn, batch, seq)
         parts = plain_head(model)
-        with local_shard_tracker() as tracker:
+        saved = SavedByBlock(model, [m for i in blocks for m in modules.get(i, [])])
+        with local_shard_tracker() as tracker, saved:
             tracker.track_external(model)
             step_loss(model, inputs, token_model).backward()
         moments, order = _read_moments(tracker, modules)
         decoder_output = _after_forward(tracker, parts[0]) if parts is not None else 0
-    trace = Trace(order, moments, [i for i in blocks if i in moments], 0, len(cut), cut)
-    trace.saved_per_block = _saved_per_block(trace)
+    trace = Trace(order, moments, [i for i in blocks if i in moments], saved.last_block(), len(cut), cut)
     if parts is not None:
         _add_head(trace, modules, parts, tokens=inputs[0].numel(), dtype=config.mixed_precision.param_dtype)
         trace.decoder_output = decoder_output
@@ -251,10 +251,56 @@ def _activation_side(snapshot: dict[Any, dict[Any, int]]) -> int:
     return total
 
 
-def _saved_per_block(trace: Trace) -> int:
-    """What the last traced block's forward leaves saved (its after-forward minus its before-forward)."""
-    if not trace.blocks:
-        return 0
-    last = max(trace.blocks, key=trace.order.index)
-    moment = trace.moments[last]
-    return max(0, moment.after_forward - moment.before_forward)
+class SavedByBlock:
+    """What each block's forward leaves saved for backward: the storages autograd saves while it runs (its
+    input among them), each counted once and never a parameter's. Read from the saved tensors themselves, not
+    from the tracker's live bytes, which on fake tensors hold a block's last temporaries a while longer
+    ([Note: traced moments])."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._key = StorageWeakRef
+        self._seen = {StorageWeakRef(p.untyped_storage()) for p in model.parameters() if _has_storage(p)}
+        self._blocks = blocks
+        self._current: int | None = None
+        self.bytes: list[int] = [0] * len(blocks)
+        self._handles: list[Any] = []
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedByBlock:
+        for index, block in enumerate(self._blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda *_, i=index: self._enter(i)))
+            self._handles.append(block.register_forward_hook(lambda *_: self._enter(None)))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+    def _enter(self, index: int | None) -> None:
+        if torch.is_grad_enabled():  # a forward, not a recompute in backward
+            self._current = index
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._current is not None and _has_storage(tensor):
+            key = self._key(tensor.untyped_storage())
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes[self._current] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def last_block(self) -> int:
+        return self.bytes[-1] if self.bytes else 0
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """A tensor with a storage of its own (a wrapper subclass such as ``NF4Weight`` has none)."""
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
