@@ -1,7 +1,8 @@
 """The planner against what one H100 really allocated: ``fl.estimate_memory`` on HF Llama presets.
 
 What: ``simulate`` and ``analytic`` estimates of one rank's peak for the two jobs measured on one H100
-(torch 2.11, fake world 8, configs/hf_causal_lm.yaml; ../shared/evidence/gpu-2026-11-24/planner-h100.jsonl):
+(torch 2.11, fake world 8, configs/hf_causal_lm.yaml's decoder-layer rule as it was then, the root holding the
+embedding and the head; ../shared/evidence/gpu-2026-11-24/planner-h100.jsonl):
 Llama-3.2-1B at batch 4 x 2048 and Llama-3-8B at batch 1 x 2048, each as a ratio to the measured peak.
 Target (issue 29): within 10% on every supported torch. Run it once per virtual environment. The same
 runs' ``max_memory_reserved`` checks the reserved figure (issue 31: simulate replays its step through a
@@ -41,7 +42,10 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     started = datetime.datetime.now()
-    config = fl.FSDPConfig.from_yaml(HERE.parent / "configs" / "hf_causal_lm.yaml")
+    # the config the H100 ran (2026-11-24): configs/hf_causal_lm.yaml's mixed precision and decoder-layer rule, from
+    # before its second rule gave the embedding and the head groups of their own (the root held them then)
+    shipped = fl.FSDPConfig.from_yaml(HERE.parent / "configs" / "hf_causal_lm.yaml")
+    config = shipped.model_copy(update={"wrap": shipped.wrap[:1]})
     rows = []
     for model in args.models.split(","):
         batch, measured = MEASURED[model]
