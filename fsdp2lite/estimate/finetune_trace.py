@@ -86,11 +86,13 @@ def trace_finetune_step(
     from ..finetune.head_loss import plain_head
     from .simulate import local_shard_tracker
 
-    with FakeTensorMode():
-        model = materialized(model_fn())
+    with torch.device("meta"):  # cut to TRACED_BLOCKS before any tensor is made: an 80-layer model costs 2
+        model = model_fn()
+    blocks, cut = _cut_blocks(model, plan)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the meta parameters become fake ones
+        model = materialized(model)
         _compute_dtype(model, config.mixed_precision.param_dtype)
-        _nf4_weights(model, nf4)
-        blocks, cut = _cut_blocks(model, plan)
+        _nf4_weights(model, {path for path in nf4 if _present(model, path.rpartition(".")[0])})
         modules = _group_modules(model, plan)
         for group, paths in zip(plan.groups, (g.paths for g in plan.groups)):
             if group.policy.activation_checkpointing:
