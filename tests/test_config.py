@@ -485,3 +485,40 @@ def test_schedule_keys_are_the_runtime_settings() -> None:
         assert callable(getattr(fl.FSDPModule, f"set_{key}", None)), key
     assert schedule_defaults(on_cuda=False) == (1, True, False)
     assert schedule_defaults(on_cuda=True) == (0, False, True)
+
+
+@pytest.mark.parametrize(
+    "match",
+    [
+        {"class": "Block"},
+        {"class": ["Block", "MLP"], "path": "blocks.*"},
+        {"path": ["*embed_tokens", "lm_head", "layers.[0-2]", "layers.?1", "a.b"]},
+        {"path": "*.[!0-9]*"},
+    ],
+)
+def test_a_rules_matcher_answers_as_matches_does(match: dict) -> None:
+    """``Match.matcher()`` (what a plan tests every module with: a class set and one regular expression) says
+    what ``Match.matches`` (a glob at a time) says, for every path and class, special glob characters included."""
+    rule = Match.model_validate(match)
+    test = rule.matcher()
+    paths = [
+        "",
+        "a.b",
+        "a.bc",
+        "lm_head",
+        "model.lm_head",
+        "model.embed_tokens",
+        "layers.1",
+        "layers.3",
+        "layers.21",
+        "layers.1.x",
+        "blocks.0",
+        "blocks.0.mlp",
+        "x.y",
+        "x.1",
+        "x.\n",
+    ]
+    for path in paths:
+        for class_name in ("Block", "MLP", "Linear"):
+            assert test(path, class_name) is rule.matches(path, class_name), (path, class_name)
+    assert any(test(path, c) for path in paths for c in ("Block", "MLP", "Linear"))

@@ -8,6 +8,7 @@ matrix (world 2 and 4, both configs of bench_step) and saves the numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -312,3 +313,47 @@ def test_cpu_offload_moves_shards_grads_and_optimizer_to_the_host() -> None:
     assert offloaded.breakdown["params"] == 0
     assert 0.85 <= analytic.peak_bytes / offloaded.peak_bytes <= 1.15, (analytic.peak_bytes, offloaded.peak_bytes)
     assert analytic.host_bytes > 0 and any("CPU offload" in note for note in analytic.notes)
+
+
+def test_the_planners_tracker_keeps_torchs_per_module_peaks() -> None:
+    """The tracker the planner traces with updates only the running modules' peaks at each op (torch's walks
+    every module it has seen): each module's peak in forward and in backward, the snapshot at it, and the
+    step's peak are torch's own, module for module, on a nested model whose blocks peak at different ops."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    from fsdp2lite.estimate.simulate import local_shard_tracker
+
+    def run(tracker_cm):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        inner = [
+            torch.nn.Sequential(torch.nn.Linear(16, 16 * (i + 1)), torch.nn.Linear(16 * (i + 1), 16)) for i in range(3)
+        ]
+        model = torch.nn.Sequential(*inner, torch.nn.Linear(16, 4))
+        with tracker_cm() as tracker:
+            tracker.track_external(model)
+            model(torch.randn(8, 16)).square().sum().backward()
+            peaks = {
+                name: {
+                    state: [dict(s) for s in stats.snapshots.get(state, [])]
+                    for state in (_ModState.PEAK_FW, _ModState.PEAK_BW)
+                }
+                for name, module in model.named_modules()
+                for m, stats in tracker.memory_tracking.items()
+                if m is module
+            }
+            return peaks, tracker.get_tracker_snapshot("peak")
+
+    def torchs():  # type: ignore[no-untyped-def]
+        tracker = MemTracker()
+        tracker.__enter__()
+        try:
+            yield tracker
+        finally:
+            tracker.__exit__(None, None, None)
+
+    ours, ours_peak = run(local_shard_tracker)
+    theirs, theirs_peak = run(contextlib.contextmanager(torchs))
+    assert set(ours) == set(theirs) and len(ours) == 11  # the root, 3 blocks of 2 linears, the head
+    assert ours == theirs and ours_peak == theirs_peak
+    peaks = {max(s[d]["Total"] for s in v[_ModState.PEAK_FW] for d in s) for v in ours.values()}
+    assert len(peaks) > 2  # the blocks peak apart: a tracker updating the wrong modules would differ

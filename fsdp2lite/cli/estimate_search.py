@@ -28,10 +28,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import FSDPConfig, plan_config
+from ..config import FSDPConfig
 from ..estimate import element_size
 from ..estimate.analytic import analytic_estimate
-from ..estimate.common import default_seq
+from ..estimate.common import cached_plan, default_seq
 from ..estimate.finetune import Finetune, planned_factory
 from ..estimate.offload_budget import largest_groups, offload_largest, resolve_offload_budget
 from ..estimate.plan_bytes import nf4_paths
@@ -169,7 +169,7 @@ def evaluate(
     except (ValueError, TypeError) as exc:
         raise UsageError(f"cannot estimate {job.spec}: {exc}", prog="fsdp2lite estimate") from None
     model = cache["model"]
-    speed = setting_time(model, config, job, finetune)
+    speed = setting_time(model, config, job, finetune, cache)
     per_node = job.ranks_per_node
     reserved = estimate.reserved_bytes or estimate.peak_bytes
     free = room(common["device"], budget)
@@ -184,7 +184,7 @@ def evaluate(
         "host_exact_bytes": estimate.host_exact_bytes,
         "nvme_bytes": estimate.nvme_bytes,
         "nvme_bytes_per_machine": estimate.nvme_bytes * per_node,
-        "comm_bytes": communication_bytes(model, config, job.common["world_size"]),
+        "comm_bytes": communication_bytes(model, config, job.common["world_size"], cache),
         "step_s": speed.step_s,
         "tokens_per_s": speed.tokens_per_s,
         "device_fits": device_fits,
@@ -193,11 +193,14 @@ def evaluate(
     }
 
 
-def setting_time(model: Any, config: FSDPConfig, job: SearchJob, finetune: Finetune) -> Any:
-    """The step time of ``model`` (built for ``finetune``) under ``config`` on the job's link and GPU."""
+def setting_time(
+    model: Any, config: FSDPConfig, job: SearchJob, finetune: Finetune, cache: dict[Any, Any] | None = None
+) -> Any:
+    """The step time of ``model`` (built for ``finetune``) under ``config`` on the job's link and GPU
+    (``cache``: the search's, for the plan)."""
     world = job.common["world_size"]
     _, shard = config.mesh.resolve(world)
-    plan = plan_config(model, config)
+    plan = cached_plan(cache, model, config)
     seq = default_seq(model, job.common["seq"])
     return plan_step_time(
         model, plan, shard=shard, world_size=world, tokens_per_gpu=job.common["batch"] * seq, seq=seq,
@@ -253,15 +256,15 @@ def _offload_section(settings: dict[str, Any], budget: str) -> dict[str, Any]:
     return section
 
 
-def communication_bytes(model: Any, config: FSDPConfig, world_size: int) -> int:
+def communication_bytes(model: Any, config: FSDPConfig, world_size: int, cache: dict[Any, Any] | None = None) -> int:
     """Bytes one rank sends per step in its collectives (a ring sends (n - 1) / n of the buffer of an
     n-rank all-gather or reduce-scatter): each group all-gathered over the shard group in forward,
     again in backward when resharded after forward (over k ranks for ``reshard_after_forward: k``;
     never the root's, which keeps its parameters by default), and reduce-scattered once. HSDP's
     replica all-reduce is the same in every setting searched and left out. A ``communication`` policy sends
     1-byte codes and a 4-byte scale per block instead (an all-to-all reduce-scatter sends what a ring
-    reduce-scatter does: (n - 1) / n of the buffer)."""
-    plan = plan_config(model, config)
+    reduce-scatter does: (n - 1) / n of the buffer). ``cache``: the search's, for the plan."""
+    plan = cached_plan(cache, model, config)
     _, shard = config.mesh.resolve(world_size)
     total = 0.0
     for group, params in zip(plan.groups, plan.params):

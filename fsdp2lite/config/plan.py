@@ -87,11 +87,12 @@ def plan_config(model: nn.Module, config: FSDPConfig) -> Plan:
     plan = Plan()
     top = _top_policy(config)
     matched: list[list[tuple[str, nn.Module]]] = [[] for _ in config.wrap]
+    tests = [rule.match.matcher() for rule in config.wrap]
     for path, module in model.named_modules():
         if path == "":
             continue  # the root gets the top-level policy
-        for index, rule in enumerate(config.wrap):
-            if rule.match.matches(path, type(module).__name__):
+        for index, test in enumerate(tests):
+            if test(path, type(module).__name__):
                 matched[index].append((path, module))
                 break
     class_names = sorted({type(m).__name__ for m in model.modules()})

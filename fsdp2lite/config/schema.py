@@ -25,6 +25,8 @@ with its location, message and, for unknown keys, the closest valid key (``probl
 from __future__ import annotations
 
 import fnmatch
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -223,6 +225,18 @@ class Match(BaseModel):
         if self.class_ is not None and class_name not in as_list(self.class_):
             return False
         return self.path is None or any(fnmatch.fnmatchcase(path, glob) for glob in as_list(self.path))
+
+    def matcher(self) -> Callable[[str, str], bool]:
+        """``matches`` as one function made once: a set of class names and one regular expression of the globs
+        (a plan tests every module of a model against every rule)."""
+        classes = None if self.class_ is None else frozenset(as_list(self.class_))
+        globs = None if self.path is None else as_list(self.path)
+        regex = None if globs is None else re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs))
+
+        def test(path: str, class_name: str) -> bool:
+            return (classes is None or class_name in classes) and (regex is None or regex.match(path) is not None)
+
+        return test
 
 
 class ScheduleConfig(BaseModel):

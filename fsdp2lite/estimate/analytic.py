@@ -41,9 +41,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import FSDPConfig, checkpoint_forward, plan_config
+from ..config import FSDPConfig, checkpoint_forward
 from .common import (
     MemoryEstimate,
+    cached_plan,
     default_config,
     element_size,
     first_floating,
@@ -88,7 +89,7 @@ def analytic_estimate(
             model_fn, config, world_size, rank, inputs_fn, batch, seq, optimizer, device, cache, finetune
         )
     replicate, shard = config.mesh.resolve(world_size)
-    plan = plan_config(model, config)
+    plan = cached_plan(cache, model, config)
     nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
     terms, host = memory_terms(plan, (replicate, shard), nf4, optimizer, device)
     terms["A"], terms["L"] = _trace_activations(cache, model_fn, config, inputs_fn, batch, seq, ())

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import FSDPConfig, Match, WrapRule
+from ..config import FSDPConfig, Match, Plan, WrapRule, plan_config
 
 BREAKDOWN_KEYS = ("params", "unsharded_params", "grads", "optimizer", "activations", "comm_buffers")
 OPTIMIZERS = ("adamw", "sgd", "none")
@@ -46,6 +46,18 @@ class MemoryEstimate:
         record = asdict(self)
         record["notes"] = list(self.notes)
         return record
+
+
+def cached_plan(cache: dict[Any, Any] | None, model: nn.Module, config: FSDPConfig) -> Plan:
+    """``plan_config(model, config)``, made once per config in ``cache`` (a dict kept with ``model`` across the
+    settings of a budget search, which plans each setting's config up to four times); read-only."""
+    if cache is None:
+        return plan_config(model, config)
+    key = ("plan", id(model), config.model_dump_json())
+    if key not in cache:
+        cache[key] = plan_config(model, config)
+    plan: Plan = cache[key]
+    return plan
 
 
 # ---- inputs and the step ------------------------------------------------------------------------

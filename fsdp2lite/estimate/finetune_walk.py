@@ -31,8 +31,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..config import FSDPConfig, Plan, plan_config
-from .common import GroupBytes, MemoryEstimate
+from ..config import FSDPConfig, Plan
+from .common import GroupBytes, MemoryEstimate, cached_plan
 from .finetune import Finetune, nf4_bytes
 from .finetune_trace import TRACED_BLOCKS, Trace, trace_finetune_step
 from .host import offloaded_groups
@@ -216,7 +216,7 @@ def walk_estimate(
     fine-tuning walk]). ``cache`` holds the meta model (made by the caller) and each trace."""
     model = cache["model"]
     replicate, shard = config.mesh.resolve(world_size)
-    plan = plan_config(model, config)
+    plan = cached_plan(cache, model, config)
     nf4 = nf4_paths(model) if finetune.kind == "qlora" else set()
     terms, host = memory_terms(plan, (replicate, shard), nf4, optimizer, device)
     groups = group_bytes(plan, shard, nf4, pinned=device == "cuda")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import replace
 from typing import Any
 
@@ -244,12 +245,14 @@ _NO_HOOK = _NoHook()
 def local_shard_tracker() -> Iterator[Any]:
     """torch's ``MemTracker``, entered, counting only what the ops on local shards allocate
     ([Note: local shards])."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     class LocalShardTracker(MemTracker):
         propagating: int = 0  # > 0 while DTensor propagates shapes: nothing allocated then is this rank's
         recorder: AllocationRecorder | None = None  # fed every storage the tracker adds, frees or resizes
+        indexed: int = -1  # the modules ``by_fqn`` indexes (``_running_stats``)
 
         def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):  # type: ignore[no-untyped-def]
             # torch's tracker hooks every parameter's gradient, and a frozen one (a fine-tuned base) refuses
@@ -270,6 +273,32 @@ def local_shard_tracker() -> Iterator[Any]:
                 self.recorder.deleted(winfo)
             elif kind == "SIZE":
                 self.recorder.resized(winfo, winfo.mem_consumed)
+
+        def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
+            # torch's, reading only the modules running now: torch's walks every module it has seen, through
+            # weak references, at every op (most of a traced step's time on a model of many modules)
+            curr_snap = self._curr_mem_snap
+            for fqn in self._mod_tracker.parents:
+                for mod_stats in self._running_stats(fqn):
+                    if peak_state not in mod_stats.snapshots:
+                        continue
+                    for dev, dev_snap in curr_snap.items():
+                        if mod_stats.local_peak.get(dev, 0) < dev_snap[_TOTAL]:
+                            mod_stats.local_peak[dev] = dev_snap[_TOTAL]
+                            mod_stats.snapshots[peak_state][-1][dev] = deepcopy(dev_snap)
+            for dev, dev_snap in curr_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL]
+                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+        def _running_stats(self, fqn: str) -> list[Any]:
+            """The stats of the modules named ``fqn``; the index is remade when a module is first seen."""
+            if len(self.memory_tracking) != self.indexed:
+                self.by_fqn: dict[str, list[Any]] = {}
+                for stats in self.memory_tracking.values():
+                    self.by_fqn.setdefault(stats.mod_fqn, []).append(stats)
+                self.indexed = len(self.memory_tracking)
+            return self.by_fqn.get(fqn, [])
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if self.propagating:

@@ -15,7 +15,9 @@ On CUDA one compiled kernel (``torch.compile`` of that expression: the look-up a
 temporaries beside the block scales); elsewhere, eager, in runs of rows of at most ``PIECE_VALUES`` values,
 each looked up into the result itself (``index_select(out=)``) and scaled in place: one run's int32 index (2
 bytes a value of the run, 32 MiB at most) is all it holds beside the result and the scales
-(``dequantize_bytes``: measured by ``tests/test_founding.py``'s allocator count).
+(``dequantize_bytes``: measured by ``tests/test_founding.py``'s allocator count). On fake tensors (the
+planner's traced step) only the first run is made: the runs hold no values there, and the first, the
+largest, is what the loop holds at any moment.
 
 [Note: NF4 matmul]
 ``NF4Weight`` is what a QLoRA layer computes with while its group is gathered: ``F.linear(x, weight)`` runs
@@ -97,7 +99,8 @@ def dequantize(codes: torch.Tensor, scalers: torch.Tensor, whole: WholeNF4, fuse
     rows, half = codes.shape
     out = torch.empty((rows, 2 * half), dtype=whole.dtype, device=codes.device)
     step = max(1, PIECE_VALUES // max(1, 2 * half))  # rows per piece
-    for start in range(0, rows, step):
+    # fake tensors hold no values: the first piece (the largest) is the whole of what the loop holds at once
+    for start in range(0, min(rows, step) if fake else rows, step):
         piece = out[start : start + step]  # (piece_rows, columns), written in place
         # each code's two values; an int32 index is gathered from as it is, and freed before the next piece's
         torch.index_select(pairs, 0, codes[start : start + step].reshape(-1).int(), out=piece.view(-1, 2))
