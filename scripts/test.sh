@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# Quick start 2: set up, then run the whole test suite on torch 2.13 (.venv), then its fast part (the tests
-# marked oldest_torch in tests/conftest.py: API, runtime parity, checkpoint safety, estimate, CLI) on the
-# oldest supported torch, 2.11 (.venv-oldest). Multi-process tests use gloo on CPU; CUDA is hidden from the
-# second run (PyPI's torch 2.11 is a CUDA build). Arguments go to both runs.
+# Quick start 2: set up, then run the whole test suite on torch 2.13 (.venv) and its fast part (the tests marked
+# oldest_torch in tests/conftest.py: API, runtime parity, checkpoint safety, estimate, CLI) on the oldest
+# supported torch, 2.11 (.venv-oldest). Multi-process tests use gloo on CPU; CUDA is hidden from the second
+# run (PyPI's torch 2.11 is a CUDA build). Arguments go to both runs.
+#
+# The two runs go side by side: the whole suite in two pytest workers (pytest-xdist, a test file to a worker, so
+# a file's spawned ranks and cached measurements are made once), and meanwhile .venv-oldest is made and its part
+# runs, its output held back and printed after the first run's. Most tests leave part of a core idle (ranks
+# waiting on each other, subprocesses starting), so on 2 cores the whole command takes about the longer run's
+# time instead of the sum. FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh .venv .venv-oldest  # the second environment only the tests use
+bash scripts/setup.sh .venv
+workers=${FSDP2LITE_TEST_WORKERS:-2}
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+
+oldest_log=$(mktemp)
+(
+  bash scripts/setup.sh .venv-oldest  # the second environment only the tests use
+  echo "== torch $(.venv-oldest/bin/python -c 'import torch; print(torch.__version__)') (.venv-oldest): the tests marked oldest_torch"
+  CUDA_VISIBLE_DEVICES= exec .venv-oldest/bin/python -m pytest -q -p no:cacheprovider -m oldest_torch "$@"
+) >"$oldest_log" 2>&1 &
+oldest=$!
+trap 'kill "$oldest" 2>/dev/null || true; rm -f "$oldest_log"' EXIT
+
 status=0
 echo "== torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') (.venv)"
-.venv/bin/python -m pytest -q "$@" || status=$?
-echo "== torch $(.venv-oldest/bin/python -c 'import torch; print(torch.__version__)') (.venv-oldest): the tests marked oldest_torch"
+.venv/bin/python -m pytest -q "${parallel[@]}" "$@" || status=$?
+code=0
+wait "$oldest" || code=$?
+cat "$oldest_log"
 # exit 5: none of the tests asked for is in the oldest-torch part
-CUDA_VISIBLE_DEVICES= .venv-oldest/bin/python -m pytest -q -m oldest_torch "$@" || { code=$?; [ "$code" -eq 5 ] || status=$code; }
+[ "$code" -eq 0 ] || [ "$code" -eq 5 ] || status=$code
 exit "$status"
