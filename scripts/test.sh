@@ -9,8 +9,11 @@
 # runs, its output held back and printed after the first run's. Most tests leave part of a core idle (ranks
 # waiting on each other, subprocesses starting), so on 2 cores the whole command takes about the longer run's
 # time instead of the sum. FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
+# Every process computes on one thread (OMP_NUM_THREADS=1, as the spawned ranks already do): with several
+# pytest processes on 2 cores, an idle OpenMP thread spinning for work takes a core from a process that has it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bash scripts/setup.sh .venv
 workers=${FSDP2LITE_TEST_WORKERS:-2}
 parallel=()

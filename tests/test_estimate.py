@@ -321,7 +321,7 @@ def test_the_planners_tracker_keeps_torchs_per_module_peaks() -> None:
     step's peak are torch's own, module for module, on a nested model whose blocks peak at different ops."""
     from torch.distributed._tools.mem_tracker import _ModState
 
-    from fsdp2lite.estimate.simulate import local_shard_tracker
+    from fsdp2lite.estimate.tracker import local_shard_tracker
 
     def run(tracker_cm):  # type: ignore[no-untyped-def]
         torch.manual_seed(0)

@@ -84,7 +84,7 @@ def trace_finetune_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..finetune.head_loss import plain_head
-    from .simulate import local_shard_tracker
+    from .tracker import local_shard_tracker
 
     with torch.device("meta"):  # cut to TRACED_BLOCKS before any tensor is made: an 80-layer model costs 2
         model = model_fn()
