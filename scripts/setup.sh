@@ -6,7 +6,6 @@
 #                 CUDA from it): only the fast part of the suite uses it, and scripts/test.sh makes it.
 # Usage: bash scripts/setup.sh [.venv] [.venv-oldest]
 # Safe to re-run: a stamp file in each skips its installs when nothing they depend on changed.
-# Installed without compiling every module to bytecode first (--no-compile): Python compiles what it imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -18,10 +17,10 @@ make_venv() {  # make_venv DIR TORCH_VERSION
   want="torch==$torch $(sha256sum pyproject.toml | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch first and pinned, so resolving the package's "torch>=2.11" never pulls a newer build.
-    "$venv/bin/python" -m pip install -q --no-compile "torch==$torch"
+    "$venv/bin/python" -m pip install -q "torch==$torch"
     constraints=$(mktemp)
     echo "torch==$torch" >"$constraints"  # no extra (transformers, accelerate, lightning) may move torch
-    "$venv/bin/python" -m pip install -q --no-compile -c "$constraints" -e ".[dev]"
+    "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
     rm -f "$constraints"
     echo "$want" >"$stamp"
   fi

@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import the helper
 
 
 # The fast part run on the oldest supported torch (pyproject's floor) as well: scripts/test.sh runs
-# `pytest -m oldest_torch` in .venv-oldest after the whole suite in .venv. Node ids under tests/, a whole
-# file or one test (a prefix: every parametrization); kept under 3 minutes on a 2-core machine: API,
+# `pytest -m oldest_torch` in .venv-oldest beside the whole suite in .venv. Node ids under tests/, a whole
+# file or one test (a prefix: every parametrization); about 3.5 minutes on its own on a 2-core machine: API,
 # runtime parity (an even and an uneven shard), checkpoint safety, estimate and the CLI.
 OLDEST_TORCH = (
     "test_api.py",
