@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._precision import override_casts
 from ._runtime.extension import has_extension
 from ._runtime.post_forward import post_forward_dims_problem, post_forward_size_problem
 from ._summary import summarized
@@ -35,6 +36,7 @@ from .policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingPolicy,
+    cast_dtype,
     reduce_cast_dtype,
     reduce_dtype_problem_by_policy,
 )
@@ -289,8 +291,40 @@ def _policy_problems(spec: GroupSpec) -> list[Problem]:
                 "or give them a group of their own",
             )
         )
-    problems += _post_forward_dims(spec) + _storage_problems(spec)
+    casts = override_casts(spec.params, spec.settings.mixed_precision)[1]  # [Note: override casts]
+    problems += [Problem(*problem) for problem in casts]
+    problems += _post_forward_dims(spec) + _storage_problems(spec) + _quantized_gather_problems(spec)
     return problems
+
+
+def _quantized_gather_problems(spec: GroupSpec) -> list[Problem]:
+    """A quantized all-gather packs the group's parameters into one slot of one floating-point dtype: no
+    parameter gathered through hooks, none of another dtype (an integer one, or one a precision override moves)."""
+    comm = spec.settings.comm
+    if comm is None or comm.all_gather is None or not spec.params:
+        return []
+    odd = [p.fqn for p in spec.params if p.hooked or not p.local.is_floating_point()]
+    dtypes = {cast_dtype(p.local, p.mixed_precision.param_dtype) for p in spec.params}
+    if odd:
+        reason = f"these are not plain floating-point parameters: {', '.join(odd)}"
+    elif len(dtypes) > 1:
+        overridden = [p.fqn for p in spec.params if p.overridden]
+        moved = f"; precision overrides (mp_overrides / precision_overrides) move {', '.join(overridden[:4])}"
+        reason = "of several dtypes (" + ", ".join(sorted(_dtype_name(d) for d in dtypes)) + ")"
+        reason += moved if overridden else ""
+    else:
+        return []
+    return [
+        Problem(
+            spec.label,
+            f"CommPolicy(all_gather={comm.all_gather!r}) quantizes a group's parameters together, but {reason}",
+            "give them a group of their own, or keep all_gather=None (communication.all_gather: null) for this group",
+        )
+    ]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _post_forward_dims(spec: GroupSpec) -> list[Problem]:

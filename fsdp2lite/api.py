@@ -32,10 +32,11 @@ from ._plan import (
     owned_params,
     walk_modules,
 )
-from ._precision import OverrideFn, resolve_overrides
+from ._precision import OverrideFn, override_casts, resolve_overrides
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
+from ._runtime.module_casts import install_casts
 from ._runtime.param import FSDPParam
 from ._runtime.param_policy import ParamPlace, ParamPolicy
 from ._snapshot import ModuleSnapshot, all_modules
@@ -106,19 +107,24 @@ def fully_shard(
         mp_overrides: per-parameter mixed precision: ``{"*norm*": MixedPrecisionPolicy(param_dtype=torch.float32)}``
             (fnmatch patterns over the call's parameter names, first match wins; or ``fn(param) -> policy | None``)
             gives the matching parameters their own ``param_dtype`` and ``reduce_dtype`` inside this one group:
-            one all-gather, one reduce-scatter per reduce dtype ([Note: per-parameter mixed precision]).
+            one all-gather, one reduce-scatter per reduce dtype ([Note: per-parameter mixed precision]); the
+            module holding them casts its inputs to that ``param_dtype`` and its outputs to the override's
+            ``output_dtype``, else back to the group's compute dtype ([Note: override casts]). One mapping
+            serves every call: a pattern matching nothing under the root is refused at the first forward.
     """
     modules, sharding = check_call(module, dp_mesh_dims, reshard_after_forward, sharding)
     mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, comm_policy)
     owned = _collect_params(modules, check_ignored(ignored_params))
     settings = GroupSettings(mp_policy, offload_policy, comm_policy, sharding, reshard_after_forward)
-    planned = _param_specs(owned, shard_placement_fn, mp_overrides, mp_policy, modules)
+    overrides, patterns = resolve_overrides(mp_overrides, owned)
+    planned = _param_specs(owned, shard_placement_fn, overrides, mp_policy)
     spec = GroupSpec(_label(modules), modules, _classes(modules), planned, settings, mesh=None)  # plan
     spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
     with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # build: all or nothing
         params = _make_params(spec, mesh_info)
         group = _make_group(params, spec, mesh_info)
-        _install(modules, FSDPState(modules, group, mp_policy))
+        _install(modules, FSDPState(modules, group, mp_policy, patterns))
+        install_casts(override_casts(spec.params, mp_policy)[0])  # [Note: override casts]
     _register_composable(modules)
     TALLY.calls, TALLY.modules = TALLY.calls + 1, TALLY.modules + len(modules)
     return module
@@ -216,12 +222,10 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 def _param_specs(
     owned: list[OwnedParam],
     shard_placement_fn: Any,
-    mp_overrides: Any,
+    overrides: list[MixedPrecisionPolicy | None],
     mp_policy: MixedPrecisionPolicy,
-    modules: tuple[nn.Module, ...],
 ) -> tuple[ParamSpec, ...]:
     """Each owned parameter's part of the plan: its shard dim as asked, its mixed precision (``mp_overrides``)."""
-    overrides = resolve_overrides(mp_overrides, owned, _label(modules))
     dims = _shard_dims(shard_placement_fn, owned)
     source = "shard_placement_fn" if shard_placement_fn is not None else "the default"
     return tuple(

@@ -2,8 +2,9 @@
 
 A block's norm computes in fp32 while its linears compute in bf16, in one group: one all-gather (bytes) and
 one reduce-scatter per reduce dtype. Oracle: torch's fully_shard with each norm sharded as a nested group of
-its own under an fp32 policy (``cast_forward_inputs=False``, so the norm sees the block's bf16 activations,
-as ours does): the same math, on 2 gloo ranks. Wire bytes are counted and checked exactly.
+its own under an fp32 policy (``cast_forward_inputs=False``; this norm casts its input itself, so casting it
+first, as the override's module does, is the same math), on 2 gloo ranks. Wire bytes are counted and checked
+exactly. The models people use (Hugging Face Llama, Qwen2, GPT-2): test_param_mixed_precision_hf.py.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def check_parity_with_torch_nested_groups(rank: int, ws: int) -> None:
 
 
 def check_one_all_gather_and_a_reduction_per_dtype(rank: int, ws: int) -> None:
-    """In forward the linears see bf16 weights and the norm fp32 ones; each block is one all-gather per use
-    (uint8: [Note: byte all-gather]) and two reductions per backward, bf16 then fp32."""
+    """In forward the linears see bf16 weights and the norm fp32 ones and fp32 inputs (the override's cast:
+    [Note: override casts]); each block is one all-gather per use (uint8: [Note: byte all-gather]) and two
+    reductions per backward, bf16 then fp32."""
     torch.manual_seed(0)
     model = shard_ours(NormNet())
     seen: dict[str, torch.dtype] = {}
@@ -130,7 +132,7 @@ def check_one_all_gather_and_a_reduction_per_dtype(rank: int, ws: int) -> None:
     assert not isinstance(model._fsdp_state.group.reduce, SplitReduce)  # no overrides: one reduction
     with CollectiveDtypes() as mode:
         loss_of(model, 0, rank).backward()
-    assert seen == {"up": torch.bfloat16, "norm": torch.float32, "input": torch.bfloat16}, seen
+    assert seen == {"up": torch.bfloat16, "norm": torch.float32, "input": torch.float32}, seen
     gathers = [dtype for kind, dtype in mode.seen if kind == "all_gather"]
     reduces = [dtype for kind, dtype in mode.seen if kind == "reduce"]
     # the root (bf16) and two blocks (bytes), each gathered in forward and again in backward but the root
@@ -266,12 +268,12 @@ def _params(model: nn.Module) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("overrides", "error", "pattern"),
     [
-        ({"nrom.*": FP32}, ValueError, r"mp_overrides pattern 'nrom\.\*' matches no parameter of Block.*norm\.weight"),
         ({"norm.*": "fp32"}, TypeError, r"mp_overrides\['norm\.\*'\] must be a MixedPrecisionPolicy.*got str"),
         (
-            {"norm.*": fl.MixedPrecisionPolicy(param_dtype="fp32", output_dtype="fp32")},
+            {"norm.weight": FP32, "norm.bias": fl.MixedPrecisionPolicy(param_dtype="fp32", output_dtype="fp32")},
             ValueError,
-            r"mp_overrides\['norm\.\*'\] sets output_dtype.*module",
+            r"one module \(Fp32Norm\) cast its inputs and outputs differently: norm\.weight \(inputs float32, "
+            r"outputs bfloat16\) and norm\.bias \(inputs float32, outputs float32\)",
         ),
         ([("norm.*", FP32)], TypeError, r"mp_overrides must be a mapping of parameter-name patterns"),
         (
@@ -287,6 +289,48 @@ def test_bad_overrides_change_nothing(single_rank_pg: None, overrides: Any, erro
     with pytest.raises(error, match=pattern):
         fl.fully_shard(block, mp_policy=BF16, mp_overrides=overrides)
     assert not isinstance(block, fl.FSDPModule) and _params(block) == before
+
+
+def test_a_pattern_matching_nothing_in_one_call_waits_for_the_root(single_rank_pg: None) -> None:
+    """One mapping serves every call: a pattern matching nothing in one call is not an error there; one that
+    matches nothing in any call under the root is refused at its first forward, naming the names it saw."""
+    torch.manual_seed(0)
+    model = NormNet()
+    mapping = {"norm.*": FP32, "head.*": FP32}  # the blocks have no head, the root no norm
+    for block in model.blocks:
+        fl.fully_shard(block, mp_policy=BF16, mp_overrides=mapping)
+    fl.fully_shard(model, mp_policy=BF16, mp_overrides=mapping)
+    assert {p.param_dtype for p in model._fsdp_state.group.params} == {torch.float32}  # the head's override
+    loss_of(model, 0, 0).backward()  # the root's lazy init: every pattern matched somewhere
+    block = Block(D)
+    fl.fully_shard(block, mp_policy=BF16, mp_overrides={"nrom.*": FP32})
+    before = _params(block)
+    with pytest.raises(
+        ValueError,
+        match=r"pattern 'nrom\.\*' matches no parameter in any fully_shard call under "
+        r"Block; the calls' parameter names: up\.weight, up\.bias, norm\.weight",
+    ):
+        block(torch.randn(2, D))
+    assert _params(block) == before and block._fsdp_state.is_root is None
+
+
+def test_quantized_all_gather_with_overrides_is_the_plans_problem() -> None:
+    """``communication.all_gather: int8`` packs a group in one dtype: overrides giving it two are refused by the
+    plan (``plan_config``, so ``validate``/``explain`` see it), naming both settings, before anything is built."""
+    from fsdp2lite.config import plan_config
+
+    config = fl.FSDPConfig.model_validate({**POLICY_FILE, "communication": {"all_gather": "int8"}})
+    plan = plan_config(NormNet(), config)
+    problems = [p for p in plan.problems + plan.refused if "quantizes" in p.message]
+    assert len(problems) == 2, problems  # the two blocks (the root has no override)
+    assert all(
+        "all_gather='int8'" in p.message
+        and "several dtypes (bfloat16, float32)" in p.message
+        and "precision overrides" in p.message
+        and "blocks." in p.message
+        and "norm.weight" in p.message
+        for p in problems
+    ), problems
 
 
 def test_hsdp_refuses_several_reduce_dtypes_and_takes_one() -> None:

@@ -1,6 +1,6 @@
 """What lazy init checks before it changes anything, so a failed first forward leaves every module as it
 was: one mesh, root settings made on the root, no meta parameters, one reduce dtype per group's
-trainable parameters, no parameter sharded by two calls."""
+trainable parameters, no parameter sharded by two calls, every ``mp_overrides`` pattern matched somewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from torch.distributed.tensor import DTensor
 
 from .group import FSDPParamGroup
+from .module_casts import OverridePatterns
 from .root import StateView
 
 FSDPStates = Sequence[StateView]  # the FSDPStates under one root (hooks.py imports this module: no import back)
@@ -79,3 +80,21 @@ def check_one_mesh(states: FSDPStates, names: dict[int, str]) -> None:
             f"all fully_shard calls under one root must use the same mesh; got {listing}. "
             "Pass the same DeviceMesh to every call (fsdp2lite.init_mesh builds one)"
         )
+
+
+def check_overrides_matched(calls: Sequence[OverridePatterns], root: str) -> None:
+    """Every ``mp_overrides`` pattern of a call under this root matched a parameter in some call (one mapping
+    serves every call of a bottom-up sharding; a pattern matching nothing anywhere is a typo)."""
+    matched = set().union(*(call.matched for call in calls))
+    patterns = list(dict.fromkeys(p for call in calls for p in call.unmatched if p not in matched))
+    if not patterns:
+        return
+    names = [name for call in calls for name in call.names]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    plural = len(patterns) > 1
+    quoted = ", ".join(repr(pattern) for pattern in patterns)
+    raise ValueError(
+        f"mp_overrides pattern{'s' if plural else ''} {quoted} match{'' if plural else 'es'} no parameter in "
+        f"any fully_shard call under {root}; the calls' parameter names: {shown or 'none'} (fnmatch patterns "
+        "over the names each call gives its parameters, relative to the module it shards); nothing was changed"
+    )

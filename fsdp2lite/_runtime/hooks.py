@@ -49,11 +49,13 @@ from .checks import (
     check_materialized,
     check_no_tie_across_groups,
     check_one_mesh,
+    check_overrides_matched,
     check_reduce_dtypes,
     check_root_settings,
 )
 from .containers import cast_floating, map_tensors, tensors_in
 from .group import FSDPParamGroup
+from .module_casts import OverridePatterns
 from .root import RootContext, SharedComm
 from .states import TrainingState
 from .trace import TraceRecorder
@@ -88,13 +90,19 @@ class FSDPState:
     trace_recorder: TraceRecorder | None  # as root: handed to the shared Meters at lazy init
     wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Meters likewise
     shared_comm: SharedComm | None  # as root: a Comm and host engine shared with other roots (``share_comm_ctx``)
+    override_patterns: OverridePatterns  # the call's mp_overrides patterns, checked at the root's lazy init
 
     def __init__(
-        self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        override_patterns: OverridePatterns | None = None,
     ) -> None:
         self.modules = modules
         self.group = group
         self.mp_policy = mp_policy
+        self.override_patterns = override_patterns or OverridePatterns()
         self.is_root = None
         self.root_context = None
         self.pending_forward = set()
@@ -141,6 +149,8 @@ class FSDPState:
         check_one_mesh(states, names)
         check_root_settings(states, names)
         check_no_tie_across_groups(states, names)
+        root_class = type(root_module).__name__.removeprefix("FSDP")  # fully_shard made its class FSDP<Name>
+        check_overrides_matched([state.override_patterns for state in states], root_class)
         for state in states:  # every check before any state changes: a failed first forward changes nothing
             if state.group is not None:
                 check_materialized(state.group, names[id(state)])
