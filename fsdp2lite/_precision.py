@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -24,10 +24,23 @@ import torch.nn as nn
 from ._runtime.module_casts import ModuleCast, OverridePatterns
 from .policies import MixedPrecisionPolicy, cast_dtype, from_torch_policy
 
-if TYPE_CHECKING:  # _plan imports this module
-    from ._plan import OwnedParam, ParamSpec
 
-Owned = list["OwnedParam"]
+class Planned(Protocol):
+    """What the casts read of a planned parameter (``_plan.ParamSpec``)."""
+
+    @property
+    def fqn(self) -> str: ...
+    @property
+    def param(self) -> nn.Parameter: ...
+    @property
+    def places(self) -> tuple[tuple[nn.Module, str], ...]: ...
+    @property
+    def mixed_precision(self) -> MixedPrecisionPolicy: ...
+    @property
+    def overridden(self) -> bool: ...
+
+
+Owned = Sequence[tuple[str, nn.Parameter, Any]]  # _plan.OwnedParam: fqn, param, places (_plan imports this)
 Resolved = tuple[list[MixedPrecisionPolicy | None], OverridePatterns]
 
 
@@ -80,7 +93,7 @@ def _checked(where: str, value: Any, allow_none: bool) -> MixedPrecisionPolicy |
 
 
 def override_casts(
-    params: Sequence[ParamSpec], group: MixedPrecisionPolicy
+    params: Sequence[Planned], group: MixedPrecisionPolicy
 ) -> tuple[list[ModuleCast], list[tuple[str, str, str]]]:
     """The casts at the edges of each module holding overridden parameters ([Note: override casts]), and the
     problems (location, message, suggestion): two overrides asking one module for different casts."""
