@@ -36,7 +36,7 @@ from ._precision import OverrideFn, override_casts, resolve_overrides
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
-from ._runtime.module_casts import install_casts
+from ._runtime.module_casts import OverridePatterns, install_casts
 from ._runtime.param import FSDPParam
 from ._runtime.param_policy import ParamPlace, ParamPolicy
 from ._snapshot import ModuleSnapshot, all_modules
@@ -119,7 +119,16 @@ def fully_shard(
     overrides, patterns = resolve_overrides(mp_overrides, owned)
     planned = _param_specs(owned, shard_placement_fn, overrides, mp_policy)
     spec = GroupSpec(_label(modules), modules, _classes(modules), planned, settings, mesh=None)  # plan
+    shard_spec(spec, mesh, patterns)  # check and build
+    return module
+
+
+def shard_spec(spec: GroupSpec, mesh: DeviceMesh | None, patterns: OverridePatterns | None = None) -> None:
+    """Check a planned group on its mesh, every problem at once, then build it, all or nothing: ``fully_shard``'s
+    second half, and what ``apply_config`` calls with each group its policy file's plan made (planned once)."""
+    owned = [OwnedParam(p.fqn, p.param, list(p.places)) for p in spec.params]
     spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
+    modules, mp_policy = spec.modules, spec.settings.mixed_precision
     with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # build: all or nothing
         params = _make_params(spec, mesh_info)
         group = _make_group(params, spec, mesh_info)
@@ -127,7 +136,6 @@ def fully_shard(
         install_casts(override_casts(spec.params, mp_policy)[0])  # [Note: override casts]
     _register_composable(modules)
     TALLY.calls, TALLY.modules = TALLY.calls + 1, TALLY.modules + len(modules)
-    return module
 
 
 @dataclasses.dataclass

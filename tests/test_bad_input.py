@@ -718,27 +718,27 @@ def test_apply_config(case: Case, one_rank: DeviceMesh) -> None:
 def test_apply_config_failing_part_way_puts_everything_back(
     one_rank: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A failure after some groups were sharded (here injected into the third fully_shard call) leaves
+    """A failure after some groups were sharded (here injected into the third group's build) leaves
     the model exactly as before; the same config then applies cleanly."""
     import fsdp2lite.api
 
-    real = fsdp2lite.api.fully_shard
+    real = fsdp2lite.api.shard_spec
     calls = []
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[0])
+        calls.append(args[0].modules)
         if len(calls) == 3:
             raise RuntimeError("injected failure in the third group")
         return real(*args, **kwargs)
 
     model = mlp()
     before = fingerprint(model)
-    monkeypatch.setattr(fsdp2lite.api, "fully_shard", failing)
+    monkeypatch.setattr(fsdp2lite.api, "shard_spec", failing)
     with pytest.raises(RuntimeError, match="injected failure in the third group"):
         fl.apply_config(model, config(BLOCKS))
     assert len(calls) == 3
     assert_unchanged(model, before)
-    monkeypatch.setattr(fsdp2lite.api, "fully_shard", real)
+    monkeypatch.setattr(fsdp2lite.api, "shard_spec", real)
     fl.apply_config(model, config(BLOCKS))
     model(torch.randn(2, 16)).sum().backward()
     assert isinstance(model, fl.FSDPModule) and all(p.grad is not None for p in model.parameters())

@@ -21,7 +21,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     problem), and if sharding still fails part-way, every module is put back as it was.
     """
     from .._snapshot import ModuleSnapshot
-    from ..api import fully_shard  # at call time: tests replace fully_shard to fail part-way
+    from ..api import shard_spec  # at call time: tests replace it to fail part-way
     from ..mesh import init_mesh, mesh_info_for
     from ..module import FSDPModule
 
@@ -42,7 +42,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     if problems:
         raise ConfigError("config applied to " + type(model).__name__, problems)
     with ModuleSnapshot(model.modules()).all_or_nothing():  # the model is as it was before the call, or sharded
-        _shard_plan(model, config, plan, mesh, fully_shard)
+        _shard_plan(model, config, plan, mesh, shard_spec)
     return model
 
 
@@ -75,18 +75,11 @@ def _check_apply_arguments(model: Any, config: Any, mesh: Any) -> None:
         )
 
 
-def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, fully_shard: Any) -> None:
-    ignored = set(plan.ignored.values())
-    params = dict(model.named_parameters())
-    dims = {id(params[name]): dim for name, dim in plan.shard_dims.items()}
-    placement_fn = _placement_fn(dims) if dims else None
-    precision = {id(params[name]): policy for name, policy in plan.precision.items()}
-    for group, owned in zip(plan.groups, plan.params):
-        kwargs = group.policy.fully_shard_kwargs()
-        if any(id(param) in precision for param in owned.values()):  # [Note: per-parameter mixed precision]
-            kwargs["mp_overrides"] = lambda param: precision.get(id(param))
-        target: Any = group.modules[0] if len(group.modules) == 1 else list(group.modules)
-        fully_shard(target, mesh, ignored_params=ignored, shard_placement_fn=placement_fn, **kwargs)
+def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, shard_spec: Any) -> None:
+    """Each planned group built from its spec (planned once: ``api.shard_spec`` checks it on the mesh and builds
+    it, as ``fully_shard`` does with the spec it plans), deepest first, then the root."""
+    for group, spec in zip(plan.groups, plan.specs):
+        shard_spec(spec, mesh)
         module = group.modules[0]
         if group.policy.reduce_scatter_unused_params:
             module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
@@ -112,16 +105,6 @@ def checkpoint_forward(module: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed  # type: ignore[method-assign]
-
-
-def _placement_fn(dims: dict[int, int]) -> Any:
-    from torch.distributed.tensor import Shard
-
-    def shard_placement_fn(param: nn.Parameter) -> Any:
-        dim = dims.get(id(param))
-        return None if dim is None else Shard(dim)
-
-    return shard_placement_fn
 
 
 def _device_type(model: nn.Module) -> str:
