@@ -12,19 +12,23 @@ One set of runs (module fixture) on a tiny Llama and the bundled text, then chec
   nothing to resume;
 - F: fsdp2lite's own GPT;
 - G: the multi-node command (``--nnodes 2 --rdzv-backend c10d``) as two 1-process nodes: A's losses.
-Bad arguments run 2 ranks by hand (not through torchrun) so that each rank's exit code and output
-can be checked: rank 0 prints one clear error, every rank exits 2 without a traceback. Under torchrun the
+Bad arguments run on 2 ranks by hand (not through torchrun) so that each rank's exit code and output
+can be checked: rank 0 prints one clear error, every rank exits 2 without a traceback; every case runs
+train.py's main() on 2 ranks forked once for all of them, and two of the cases (one the parser refuses,
+one the ranks refuse together) also as 2 real ``python examples/train.py`` processes. Under torchrun the
 refusal is said once, in torchrun's summary, summarized, with no other package's lines around it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ import pytest
 import torch
 from _cpu_env import cpu_env
 from _models import example_train
+
+from fsdp2lite._spawn import exit_rank_process
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -324,45 +330,123 @@ def two_ranks_by_hand(*args: str, cwd: Path) -> list[subprocess.CompletedProcess
     return together([(command, rank_env) for rank_env in ranks], cwd)
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--config", "missing.yaml"], "--config missing.yaml: no such file; the configs that come with fsdp2lite: "),
-        (["--config", str(REPO / "configs" / "demo.yaml")], "wrap.0.match: matches no module (the model's classes: "),
-        (["--data", "nowhere/corpus.txt"], "--data nowhere/corpus.txt: no such file or directory"),
-        (["--model-config", "llama-huge"], "--model-config llama-huge: not a preset (llama-tiny, "),
-        (["--batch", "0"], "--batch must be at least 1, got 0"),
-        (["--device", "cuda"], "--device cuda: no CUDA device is visible to this process; use --device cpu"),
-        (
-            ["--weights", "nowhere"],
-            "--weights nowhere: does not exist; pass a local directory written by save_pretrained",
-        ),
-        (["--weights", "w", "--model-config", "llama-tiny"], "--weights w and --model-config llama-tiny: pass one"),
-        (["--model-config", "gpt2-tiny", "--seq", "2048"], "--seq 2048: gpt2-tiny takes at most 1024 positions"),
-        (["--resume", "ck/step-0000009"], "--resume ck/step-0000009: not a finished checkpoint of this script"),
-        (["--pg-timeout", "0"], "--pg-timeout must be a positive number of seconds, got 0"),
-    ],
-    ids=[
-        "missing-config",
-        "no-rule-matches",
-        "missing-data",
-        "unknown-model",
-        "bad-number",
-        "no-cuda",
-        "missing-weights",
-        "weights-and-model-config",
-        "seq-too-long",
-        "no-checkpoint",
-        "pg-timeout-zero",
-    ],
-)
-def test_bad_arguments_stop_every_rank_cleanly(args: list[str], message: str, tmp_path: Path) -> None:
-    rank0, rank1 = two_ranks_by_hand(*args, "--steps", "1", cwd=tmp_path)
+# id: (arguments, what rank 0 says once)
+BAD_ARGUMENTS: dict[str, tuple[list[str], str]] = {
+    "missing-config": (
+        ["--config", "missing.yaml"],
+        "--config missing.yaml: no such file; the configs that come with fsdp2lite: ",
+    ),
+    "no-rule-matches": (
+        ["--config", str(REPO / "configs" / "demo.yaml")],
+        "wrap.0.match: matches no module (the model's classes: ",
+    ),
+    "missing-data": (["--data", "nowhere/corpus.txt"], "--data nowhere/corpus.txt: no such file or directory"),
+    "unknown-model": (["--model-config", "llama-huge"], "--model-config llama-huge: not a preset (llama-tiny, "),
+    "bad-number": (["--batch", "0"], "--batch must be at least 1, got 0"),
+    "no-cuda": (["--device", "cuda"], "--device cuda: no CUDA device is visible to this process; use --device cpu"),
+    "missing-weights": (
+        ["--weights", "nowhere"],
+        "--weights nowhere: does not exist; pass a local directory written by save_pretrained",
+    ),
+    "weights-and-model-config": (
+        ["--weights", "w", "--model-config", "llama-tiny"],
+        "--weights w and --model-config llama-tiny: pass one",
+    ),
+    "seq-too-long": (
+        ["--model-config", "gpt2-tiny", "--seq", "2048"],
+        "--seq 2048: gpt2-tiny takes at most 1024 positions",
+    ),
+    "no-checkpoint": (
+        ["--resume", "ck/step-0000009"],
+        "--resume ck/step-0000009: not a finished checkpoint of this script",
+    ),
+    "pg-timeout-zero": (["--pg-timeout", "0"], "--pg-timeout must be a positive number of seconds, got 0"),
+}
+# ... also run as two real processes: one refused by the parser on each rank alone, one by the ranks together
+AS_PROCESSES = ("bad-number", "missing-config")
+
+
+def refuse_on_rank(rank: int, cases: list[tuple[str, list[str], int]], root: str) -> None:
+    """One of 2 ranks forked from tests/_dist.py's fork server (torch and fsdp2lite imported once, train.py once
+    per rank, not once per case): ``examples/train.py``'s ``main(ARGS)`` for each case in turn, as ``python
+    examples/train.py ARGS`` runs it on that rank: the case's own rendezvous in the launcher variables, CUDA
+    hidden and one thread (cpu_env), the case's own working directory, file descriptors 1 and 2 into the case's
+    files; the exit code main returns or exits with, or 1 and the traceback on stderr, as the interpreter
+    prints it, for an exception that escapes. Writes ``ROOT/CASE/rank{rank}.{out,err,code}``."""
+    import traceback
+
+    torch.set_num_threads(1)
+    os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    train = example_train()
+    for name, argv, port in cases:
+        where = Path(root) / name
+        os.chdir(where)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(where / f"rank{rank}.out", "w") as out, open(where / f"rank{rank}.err", "w") as err:
+            sys.stdout.flush(), sys.stderr.flush()
+            saved = os.dup(1), os.dup(2)
+            os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+            try:
+                code = train.main(argv)
+            except SystemExit as exc:
+                code = exc.code
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+                os.close(saved[0]), os.close(saved[1])
+        (where / f"rank{rank}.code").write_text(str(code))
+    exit_rank_process()  # what a rank reports is in its files: no interpreter finalization ([Note: rank exit])
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[subprocess.CompletedProcess[str]]]:
+    """Every BAD_ARGUMENTS case on 2 ranks (refuse_on_rank), as each rank's (exit code, stdout, stderr)."""
+    import torch.multiprocessing as mp
+    from _dist import START_METHOD
+
+    root = tmp_path_factory.mktemp("refusals")
+    cases = []
+    for name, (args, _) in BAD_ARGUMENTS.items():
+        (root / name).mkdir()
+        cases.append((name, [*args, "--steps", "1"], free_port()))
+    ranks = mp.start_processes(refuse_on_rank, (cases, str(root)), nprocs=2, join=False, start_method=START_METHOD)
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the ranks running the bad-argument cases did not finish in 300 s")
+    out = {}
+    for name, _, _ in cases:
+        files = [
+            {kind: (root / name / f"rank{r}.{kind}").read_text() for kind in ("out", "err", "code")} for r in (0, 1)
+        ]
+        out[name] = [subprocess.CompletedProcess(name, int(f["code"]), f["out"], f["err"]) for f in files]
+    return out
+
+
+def assert_stopped_cleanly(
+    rank0: subprocess.CompletedProcess[str], rank1: subprocess.CompletedProcess[str], message: str
+) -> None:
     assert (rank0.returncode, rank1.returncode) == (2, 2), rank0.stderr + rank1.stderr
     assert message in rank0.stderr, rank0.stderr
     assert rank0.stderr.count(message) == 1
     assert "Traceback" not in rank0.stderr + rank1.stderr
     assert rank1.stderr.strip() == "" and rank0.stdout == rank1.stdout == "", "only rank 0 speaks"
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_arguments_stop_every_rank_cleanly(
+    case: str, refusals: dict[str, list[subprocess.CompletedProcess[str]]], tmp_path: Path
+) -> None:
+    args, message = BAD_ARGUMENTS[case]
+    assert_stopped_cleanly(*refusals[case], message)
+    if case in AS_PROCESSES:  # the same as the script's own processes, exit codes as the OS reports them
+        assert_stopped_cleanly(*two_ranks_by_hand(*args, "--steps", "1", cwd=tmp_path), message)
 
 
 def test_damaged_weights_stop_every_rank_before_any_tensor_is_read(tmp_path: Path) -> None:
