@@ -10,6 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 
+one_at_a_time() {  # run a command holding a lock on this script (flock, where the system has it)
+  if command -v flock >/dev/null 2>&1; then flock scripts/setup.sh "$@"; else "$@"; fi
+}
+
 make_venv() {  # make_venv DIR TORCH_VERSION
   local venv=$1 torch=$2 stamp want constraints
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -20,7 +24,9 @@ make_venv() {  # make_venv DIR TORCH_VERSION
     "$venv/bin/python" -m pip install -q "torch==$torch"
     constraints=$(mktemp)
     echo "torch==$torch" >"$constraints"  # no extra (transformers, accelerate, lightning) may move torch
-    "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
+    # one editable install at a time (scripts/test.sh makes both environments at once): each writes
+    # fsdp2lite.egg-info into this checkout
+    one_at_a_time "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
     rm -f "$constraints"
     echo "$want" >"$stamp"
   fi

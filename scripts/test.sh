@@ -5,19 +5,20 @@
 # run (PyPI's torch 2.11 is a CUDA build). Arguments go to both runs.
 #
 # The two runs go side by side: the whole suite in two pytest workers (pytest-xdist, a test file to a worker, so
-# a file's spawned ranks and cached measurements are made once), and meanwhile .venv-oldest is made and its part
-# runs, its output held back and printed after the first run's. On 2 cores (2026-11-29, from a clean clone) the
-# parts one after another, each timed alone, add up to about 22.5 minutes; side by side the command took 19m18s and
+# a file's spawned ranks and cached measurements are made once; the longest files first, LONGEST_FIRST in
+# tests/conftest.py, not xdist's most-tests-first), and meanwhile .venv-oldest is made (from the start, beside
+# .venv's setup) and its part runs, its output held back and printed after the first run's. On 2 cores
+# (2026-11-29, from a clean clone, before the longest files went first and the two setups side by side) the parts
+# one after another, each timed alone, added up to about 22.5 minutes; side by side the command took 19m18s and
 # 20m50s in two runs, the cores 95% busy. FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
 # Every process computes on one thread (OMP_NUM_THREADS=1, as the spawned ranks already do): with several
 # pytest processes on 2 cores, an idle OpenMP thread spinning for work takes a core from a process that has it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-bash scripts/setup.sh .venv
 workers=${FSDP2LITE_TEST_WORKERS:-2}
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 
 oldest_log=$(mktemp)
 (
@@ -27,6 +28,7 @@ oldest_log=$(mktemp)
 ) >"$oldest_log" 2>&1 &
 oldest=$!
 trap 'kill "$oldest" 2>/dev/null || true; rm -f "$oldest_log"' EXIT
+bash scripts/setup.sh .venv  # beside .venv-oldest's: pip keeps about one core busy
 
 status=0
 echo "== torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') (.venv)"
