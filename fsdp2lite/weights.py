@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ._runtime.layout import ShardLayout
 from ._summary import summarized
 from .checkpoint.errors import CheckpointError
 
@@ -408,9 +409,8 @@ def local_region(name: str, tensor: torch.Tensor) -> tuple[slice, ...]:
                 )
             dim = placement.dim % tensor.ndim
             start, length = bounds[dim]
-            chunk = math.ceil(length / mesh.size(axis))
-            offset = min(coordinate[axis] * chunk, length)
-            bounds[dim] = (start + offset, max(0, min(chunk, length - offset)))
+            layout = ShardLayout((length,), 0, mesh.size(axis), coordinate[axis])  # [Note: padded shard]
+            bounds[dim] = (start + layout.start, layout.local_rows)
     region = tuple(slice(start, start + length) for start, length in bounds)
     local_shape = tuple(s.stop - s.start for s in region)
     if tuple(local_tensor(tensor).shape) != local_shape:

@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 
 from .extension_inputs import PayloadLayout, check_pre_result, payload_layout
+from .layout import ShardLayout
 
 HOOK_NAMES = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
@@ -132,10 +133,14 @@ class AllGatherExtension:
         """Whether ``pre`` and ``post`` (just looked up) are the hooks this record was made for."""
         return hook_key(pre) is self.pre_key and hook_key(post) is self.post_key
 
-    def check_supported(self, shard_dim: int, tensor_parallel: bool, quantized: bool = False) -> None:
-        """Such a parameter is sharded on dim 0, without tensor parallelism, gathered exactly."""
+    def check_supported(
+        self, shard_dim: int, tensor_parallel: bool, quantized: bool = False, aligned: bool = False
+    ) -> None:
+        """Such a parameter is sharded on dim 0, unaligned, without tensor parallelism, gathered exactly."""
         problem = None
-        if shard_dim != 0:
+        if aligned:  # its hook cuts only trailing padding: [Note: padded shard] in layout.py
+            problem = "its shard is block-aligned (padding between ranks' rows)"
+        elif shard_dim != 0:
             problem = f"shard_placement_fn chose Shard({shard_dim})"
         elif tensor_parallel:
             problem = "it is also tensor parallel"
@@ -147,11 +152,11 @@ class AllGatherExtension:
                 "such parameters are sharded on dim 0, without tensor parallelism or a quantized all-gather"
             )
 
-    def shard(self, data: torch.Tensor, mesh_info: Any, padded_shape: tuple[int, ...], rows: int) -> torch.Tensor:
-        """This rank's padded shard, made by the subclass's own ops (``torch.chunk``, ``new_zeros``,
+    def shard(self, data: torch.Tensor, mesh_info: Any, layout: ShardLayout) -> torch.Tensor:
+        """This rank's padded shard (``layout``'s), made by the subclass's own ops (``torch.chunk``, ``new_zeros``,
         slicing, ``copy_``, as torch's fully_shard makes it), so the shard is a subclass tensor too."""
         chunks = torch.chunk(data.detach(), mesh_info.shard_size, dim=0)
-        return self.pad(chunks[mesh_info.shard_rank] if rows else chunks[0], padded_shape, rows)
+        return self.pad(chunks[mesh_info.shard_rank] if layout.local_rows else chunks[0], layout)
 
     @staticmethod
     def to_host(padded: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -169,9 +174,10 @@ class AllGatherExtension:
         return padded.to(device, non_blocking=True)
 
     @staticmethod
-    def pad(local: torch.Tensor, padded_shape: tuple[int, ...], rows: int) -> torch.Tensor:
-        """``local``'s first ``rows`` rows in a zeroed tensor of ``padded_shape``, of the subclass."""
-        padded = local.new_zeros(padded_shape)
+    def pad(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        """``local``'s first ``local_rows`` rows in a zeroed tensor of the padded shard's shape, of the subclass."""
+        padded = local.new_zeros(layout.padded_shape)
+        rows = layout.local_rows
         if rows:
             padded[:rows].copy_(local[:rows])
         return padded

@@ -31,12 +31,13 @@ parameter's padded unsharded storage ([Note: unsharded storage]). The views that
 steps are made once (``FSDPParam.flat_shard``, ``all_gather_view``) and so are the forms' lists.
 
 [Note: copy-out by views]
-A group of one parameter sharded on dim 0 needs no copy-out: its padded unsharded storage is laid out like the
-all-gather's output (rank r's padded rows at row block r, the parameter its first numel elements), so the
-all-gather writes that storage directly: allocated at the issue, the copy-in writing this rank's slot of it,
-no output buffer and no ``split_with_sizes_copy``. One copy of the parameter's bytes and one transient buffer
-of them fewer per unshard (an embedding or a head sharded alone, as torchtitan does). Groups of several
-parameters interleave them rank by rank, so their copy-out stays one ``split_with_sizes_copy``.
+A group of one parameter whose gathered rows are it followed by padding (sharded on dim 0, unaligned:
+``layout.gathered_is_contiguous``, [Note: padded shard] in layout.py) needs no copy-out: its padded unsharded
+storage is laid out like the all-gather's output (rank r's padded rows at row block r, the parameter its first
+numel elements), so the all-gather writes that storage directly: allocated at the issue, the copy-in writing
+this rank's slot of it, no output buffer and no ``split_with_sizes_copy``. One copy of the parameter's bytes
+and one transient buffer of them fewer per unshard (an embedding or a head sharded alone, as torchtitan does).
+Groups of several parameters interleave them rank by rank, so their copy-out stays one ``split_with_sizes_copy``.
 
 [Note: byte all-gather]
 A group whose parameters all-gather in several dtypes (a frozen bf16 or int8 weight beside fp32 ones,
@@ -55,13 +56,13 @@ lazy init: ``policies.reduce_dtype_problem``). A group of one dtype gathers as b
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .comm import AllGatherResult, Comm, Ranks, all_gather_flat
+from .layout import ShardLayout
 from .param import FSDPParam
 from .quantize import block_segments, copy_out_quantized, encode_group
 from .trace import Meters
@@ -121,8 +122,8 @@ class PlainGather:
         self.params, self.ranks, self.dtype, self.custom = params, ranks, dtype, custom
         self.sources = [p.flat_shard for p in params]  # views made once: [Note: hot path]
         self.numels = [p.padded_numel for p in params]
-        only = params[0]
-        self.direct = len(params) == 1 and only.shard_dim == 0 and custom is None  # [Note: copy-out by views]
+        contiguous = params[0].layout.gathered_is_contiguous  # the parameter is a view of its gathered rows
+        self.direct = len(params) == 1 and contiguous and custom is None  # [Note: copy-out by views]
 
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         into = self.params[0].alloc_unsharded() if self.direct else None
@@ -326,15 +327,15 @@ def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> 
     Returns (buffer (group_numel,), padded numel per parameter). Chunking follows torch.chunk, padded
     like the main shards, so ``copy_out_all_gather`` restores the parameters from a ``size``-rank gather.
     """
-    padded_rows = [math.ceil(p.gather_shape[0] / size) for p in params]
-    numels = [rows * (p.gather_shape.numel() // p.gather_shape[0]) for p, rows in zip(params, padded_rows)]
+    layouts = [ShardLayout(tuple(p.gather_shape), 0, size, rank) for p in params]  # the k-rank chunks
+    numels = [layout.padded_numel for layout in layouts]
     buffer = torch.zeros(sum(numels), dtype=params[0].param_dtype, device=params[0].device)
     offset = 0
-    for param, rows, numel in zip(params, padded_rows, numels):
+    for param, layout, numel in zip(params, layouts, numels):
         unsharded = param.unsharded_local
         if unsharded is None:
             raise RuntimeError(f"{param.fqn}: resharding to a post-forward group before it was unsharded")
-        local = unsharded.detach().view(param.gather_shape[0], -1)[rank * rows : (rank + 1) * rows]  # may be short
-        buffer[offset : offset + local.numel()].copy_(local.reshape(-1))
+        local = layout.local_of(unsharded.detach())  # this rank's rows, may be short
+        buffer[offset : offset + local.numel()].view(local.shape).copy_(local)
         offset += numel
     return buffer, numels

@@ -18,7 +18,9 @@ def take_unsharded_grads(
 ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
     """The parameters of a group with a gradient this backward, and their unsharded gradients
     (``zeros_for_unused``: zeros for trainable parameters that got none, ``set_reduce_scatter_unused_params``).
-    The reduce form brings them to its reduce dtype ([Note: one reduce dtype])."""
+    The reduce form brings them to its reduce dtype ([Note: one reduce dtype]). A gradient whose padded chunks
+    are not torch.chunk's along dim 0 (sharded on another dim, or aligned) comes laid out rank-major,
+    ``(shard_size, padded_numel)``, so that the copy-in's dim-0 chunking gives each rank its padded chunk."""
     params: list[FSDPParam] = []
     grads: list[torch.Tensor] = []
     for param in group_params:
@@ -27,7 +29,7 @@ def take_unsharded_grads(
             grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
         if grad is not None:
             params.append(param)
-            grads.append(dim0_chunkable_grad(param, grad) if param.shard_dim else grad)
+            grads.append(grad if param.layout.gathered_is_contiguous else param.layout.rank_major(grad))
     return params, grads
 
 
@@ -92,18 +94,3 @@ def accumulate_sharded_grads(
         torch._foreach_add_(existing, new)
     host.run_grad_hooks([param.sharded_param for param in params], offload_event, group, comm.device)
     return offload_event
-
-
-def dim0_chunkable_grad(param: FSDPParam, grad: torch.Tensor) -> torch.Tensor:
-    """``param``'s gradient, sharded on dim d != 0 rearranged so that chunking it on dim 0 (what the
-    reduce-scatter copy-in does for the whole group) gives the padded chunks along d: padded to
-    ``shard_size * padded_rows`` along d, then ``(shard_size, chunk numel)`` rank-major. Dim 0 as is."""
-    d = param.shard_dim
-    if d == 0:
-        return grad
-    ws, rows = param.mesh_info.shard_size, param.padded_rows
-    pad = ws * rows - grad.shape[d]
-    if pad:
-        grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - d) + [0, pad])
-    split = (*grad.shape[:d], ws, rows, *grad.shape[d + 1 :])
-    return grad.reshape(split).movedim(d, 0).reshape(ws, -1)

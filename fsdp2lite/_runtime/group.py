@@ -78,7 +78,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
     ) -> None:
         self.name = type(modules[0]).__name__
         self.params = params
-        self._other_dim_params = tuple(p for p in params if p.shard_dim != 0)
+        self._copied_out_params = tuple(p for p in params if not p.layout.gathered_is_contiguous)
         self._extension_params = tuple(p for p in params if p.extension is not None)
         self.modules = modules
         self.mesh_info = mesh_info
@@ -147,6 +147,25 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         if renewed:  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
             self.choose_gather()  # the form's views of the old shards are stale
 
+    def realign_shards(self, align: int) -> None:
+        """Construction time: every shard laid out anew with each rank's padded rows a multiple of ``align`` rows
+        ([Note: padded shard] in layout.py). Internal (``ParamPolicy.shard_align`` is the setting; until
+        ``fully_shard`` passes it, tests call this on ``module._fsdp_state.group`` right after ``fully_shard``)."""
+        used = any(p.unsharded_param is not None for p in self.params) or self.training_state is not TrainingState.IDLE
+        if used or self.sharded_state is not ShardedState.SHARDED or align < 1:
+            raise ValueError(f"{self.name}: shards aligned to {align} rows after the group was used (or align < 1)")
+        if self.post_forward_group is not None and align > 1:
+            raise ValueError(
+                f"{self.name}: reshard_after_forward={self.post_forward_group.size} keeps unaligned chunks"
+            )
+        for param in self.params:
+            param.realign(align)
+        self._copied_out_params = tuple(p for p in self.params if not p.layout.gathered_is_contiguous)
+        self.host_arena = pack_host_shards(self, self.host_arena)  # new host shards: packed anew
+        for storage in self.storages:
+            storage.on_reset(True)
+        self.choose_gather()
+
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
@@ -182,8 +201,8 @@ class FSDPParamGroup(GroupChoices, GroupStates):
             self.comm.wait(pending.result.work, pending.result.event)  # CPU: written; CUDA: compute orders after
         output = pending.result.all_gather_output
         direct = pending.form.copy_out(output)  # the output is the parameter itself: [Note: copy-out by views]
-        for param in self._other_dim_params:
-            param.finish_copy_out()  # sharded on a dim other than 0: into the parameter's own layout
+        for param in self._copied_out_params:
+            param.finish_copy_out()  # not a view of the gathered rows (another dim, aligned): [Note: padded shard]
         for param in self._extension_params:
             param.finish_extension()  # the subclass rebuilds its unsharded tensor: [Note: all-gather extension]
         kept = None

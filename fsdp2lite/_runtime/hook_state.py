@@ -13,6 +13,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..mesh import MeshInfo
 from .extension import AllGatherExtension, find_hooks
+from .layout import ShardLayout
 
 
 class HookState:
@@ -30,6 +31,7 @@ class HookState:
     mp_policy: Any
     param_dtype: torch.dtype
     shard_dim: int
+    layout: ShardLayout
     tp_spec: DTensorSpec | None
     unsharded_flat: torch.Tensor | None
     unsharded_local: torch.Tensor | None
@@ -59,7 +61,7 @@ class HookState:
             return False
         extension = AllGatherExtension(local, self.fqn) if pre is not None or post is not None else None
         if extension is not None:  # raises before anything changes
-            extension.check_supported(self.shard_dim, self.tp_spec is not None, quantized)
+            extension.check_supported(self.shard_dim, self.tp_spec is not None, quantized, self.layout.align > 1)
         self.extension = extension
         self.flat_shard = self.padded_shard if extension is not None else self.padded_shard.view(-1)
         self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None

@@ -43,30 +43,29 @@ class HostMasters(ShardStorage):
         if param.padded_shard.device.type not in ("meta", device.type):  # host parameters on a device mesh
             param._adopt_padded_shard(param.padded_shard.to(device))
         self.host_padded = _host_twin(param.padded_shard)
-        return self.host_padded.narrow(param.shard_dim, 0, param.local_rows), param.sharded_spec
+        return self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows), param.sharded_spec
 
     def host_tensor(self, param: FSDPParam) -> torch.Tensor | None:
         return self.host_padded
 
     def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
         self.host_padded = view
-        param.local_view = view.narrow(param.shard_dim, 0, param.local_rows)
+        param.local_view = view.narrow(param.shard_dim, 0, param.layout.local_rows)
 
     def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full value, on the host like the master (no communication)."""
-        start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[param.shard_dim])
-        return full.detach().narrow(param.shard_dim, start, param.local_rows).to("cpu", param.orig_dtype)
+        return param.layout.local_of(full.detach()).to("cpu", param.orig_dtype)
 
     def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
         """A new local tensor (``to_empty``, ``module.to``, an assigning load) becomes the master: copied into a
         host buffer of its dtype, with a device shard of that dtype beside it (filled at the next unshard)."""
         device = param.mesh_info.device if local.device.type != "meta" else local.device
         shard = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
-        if device.type != "meta" and param.local_rows:
-            shard.narrow(param.shard_dim, 0, param.local_rows).copy_(local.detach())
+        if device.type != "meta" and param.layout.local_rows:
+            shard.narrow(param.shard_dim, 0, param.layout.local_rows).copy_(local.detach())
         param._adopt_padded_shard(shard)
         self.host_padded = _host_twin(shard)
-        param.local_view = self.host_padded.narrow(param.shard_dim, 0, param.local_rows)
+        param.local_view = self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows)
         return True
 
 

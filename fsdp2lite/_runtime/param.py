@@ -1,15 +1,10 @@
 """One sharded parameter: its padded local shard, its DTensor, its unsharded storage.
 
-Layout, for a parameter of ``n`` rows along its shard dim d (0 unless ``shard_placement_fn`` says
-otherwise) sharded over ``shard_size`` ranks ([Note: padded shard]):
-
-    padded_rows = ceil(n / shard_size)          every rank stores padded_rows rows along d
-    rank r holds rows [r * padded_rows, min((r + 1) * padded_rows, n))   (torch.chunk along d)
-
-    n=5, shard_size=4 -> padded_rows=2: rank0 rows 0-1, rank1 rows 2-3, rank2 row 4 (+1 pad row),
-    rank3 no rows (2 pad rows). Every rank contributes padded_rows rows to the all-gather, so the
-    all-gather is one equal-sized collective; the DTensor's local tensor is the unpadded view
-    ``padded_shard.narrow(d, 0, local_rows)``, and ``DTensor.full_tensor()`` gives back the original.
+Layout: each rank's rows along the shard dim d (0 unless ``shard_placement_fn`` says otherwise), torch.chunk's,
+padded to the same ``padded_rows`` on every rank; the arithmetic is one record, ``self.layout`` (a ``ShardLayout``,
+[Note: padded shard] in layout.py), that every copy-in, copy-out, storage and gradient view reads. The DTensor's
+local tensor is the unpadded view ``padded_shard.narrow(d, 0, local_rows)``, and ``DTensor.full_tensor()`` gives
+back the original.
 
 The unsharded parameter is one ``nn.Parameter`` that lives across steps (autograd saves it during
 forward and accumulates its gradient); only its storage comes and goes ([Note: unsharded storage]).
@@ -28,7 +23,7 @@ its gradient, a DTensor on the tp mesh, is brought to those placements and reduc
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import weakref
 from typing import Any, cast
 
@@ -48,6 +43,7 @@ from .extension import (
 from .grads import GradientState
 from .hook_state import HookState
 from .identity import original_uid
+from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
 from .pinned import host_buffer
 from .unsharded import UnshardedState, make_dtensor
@@ -85,9 +81,7 @@ class ShardStorage:
 
     def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
         """Shape of the registered local tensor (and of its sharded gradient)."""
-        shape = list(param.gather_shape)
-        shape[param.shard_dim] = param.local_rows
-        return tuple(shape)
+        return param.layout.local_shape
 
     def grad_stride(self, param: FSDPParam) -> tuple[int, ...]:
         """Strides of this rank's sharded gradient, a view of the reduced output."""
@@ -100,15 +94,13 @@ class ShardStorage:
 
     def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor cut from a full value, where the registered one lives (no communication)."""
-        start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[param.shard_dim])
-        local = full.detach().narrow(param.shard_dim, start, param.local_rows)
-        return local.to(param.padded_shard.device, param.orig_dtype)
+        return param.layout.local_of(full.detach()).to(param.padded_shard.device, param.orig_dtype)
 
     def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
         """A new local tensor (``to_empty``, ``module.to``, an assigning load) copied into a new padded shard
         that ``param.local_view`` views; True when the unsharded parameter must be made anew regardless."""
         if param.extension is not None:
-            param._adopt_hooked_shard(param.extension.pad(local.detach(), param.padded_shape, param.local_rows))
+            param._adopt_hooked_shard(param.extension.pad(local.detach(), param.layout))
         else:
             param._adopt_padded_shard(param._new_padded_shard(local.detach()))
         return False
@@ -135,8 +127,7 @@ class FSDPParam(GradientState, HookState, UnshardedState):
     shard_dim: int  # d: the dim sharded over the shard group (0 unless shard_placement_fn says otherwise)
     tp_spec: DTensorSpec | None  # tensor parallel: the parameter's own DTensor spec ([Note: tensor parallel])
     gather_shape: torch.Size  # what the all-gather rebuilds: orig_shape, or the tp-local shape under TP
-    padded_rows: int
-    local_rows: int
+    layout: ShardLayout  # gather_shape's rows per rank, padded: [Note: padded shard] in layout.py
     padded_shard: torch.Tensor  # gather_shape with padded_rows along d: all-gather input, padding is zero
     flat_shard: torch.Tensor  # padded_shard viewed (padded_numel,): what the all-gather copy-in reads
     local_view: torch.Tensor  # padded_shard.narrow(d, 0, local_rows): the DTensor's local tensor, as made here
@@ -210,20 +201,18 @@ class FSDPParam(GradientState, HookState, UnshardedState):
 
     def _make_padded_shard(self, data: torch.Tensor) -> None:
         """This rank's padded shard of ``data`` (the parameter, or its tp-local tensor) and the layout around it
-        ([Note: padded shard]): rows, the DTensor spec of ZeRO-3's registered shard."""
+        ([Note: padded shard] in layout.py): its layout, the DTensor spec of ZeRO-3's registered shard."""
         d, info = self.shard_dim, self.mesh_info
         self.gather_shape = data.shape
-        rows = data.shape[d]
-        self.padded_rows = math.ceil(rows / info.shard_size)
-        self.local_rows = max(0, min(self.padded_rows, rows - info.shard_rank * self.padded_rows))
-        start = min(info.shard_rank * self.padded_rows, rows)
+        align = 1 if self.extension is not None else self.policy.shard_align  # [Note: padded shard]
+        self.layout = ShardLayout(tuple(data.shape), d, info.shard_size, info.shard_rank, align)
         mesh, placements = sharded_placements(info, d, self.tp_spec)
         meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
         self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
         if self.extension is not None:  # the subclass's own ops, so the shard stays one
-            self._adopt_hooked_shard(self.extension.shard(data, info, self.padded_shape, self.local_rows))
+            self._adopt_hooked_shard(self.extension.shard(data, info, self.layout))
         else:
-            self._adopt_padded_shard(self._new_padded_shard(data.narrow(d, start, self.local_rows)))
+            self._adopt_padded_shard(self._new_padded_shard(self.layout.local_of(data)))
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """The all-gather and reduce dtypes of a parameter of ``dtype`` under this parameter's policy."""
@@ -245,8 +234,8 @@ class FSDPParam(GradientState, HookState, UnshardedState):
             padded = host_buffer(self.padded_shape, local.dtype, pin=True, zero=True)
         else:
             padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
-        if device.type != "meta" and self.local_rows:
-            padded.narrow(self.shard_dim, 0, self.local_rows).copy_(local.detach())
+        if device.type != "meta" and self.layout.local_rows:
+            padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local.detach())
         return padded
 
     def _pin(self, device: torch.device) -> bool:
@@ -258,16 +247,29 @@ class FSDPParam(GradientState, HookState, UnshardedState):
         self.padded_shard = padded
         if self.extension is not None:  # gathered through its hooks, never as a flat shard
             self.flat_shard = padded
-            self.local_view = padded[: self.local_rows]
+            self.local_view = padded[: self.layout.local_rows]
             return
         self.flat_shard = padded.view(-1)
-        self.local_view = padded.narrow(self.shard_dim, 0, self.local_rows)
+        self.local_view = padded.narrow(self.shard_dim, 0, self.layout.local_rows)
 
     def _adopt_hooked_shard(self, padded: torch.Tensor) -> None:
         """A hooked parameter's padded shard, on the host under CPU offload ([Note: offloaded hooked parameters])."""
         if self.offload_to_cpu:
             padded = AllGatherExtension.to_host(padded, self.pin_memory)
         self._adopt_padded_shard(padded)
+
+    def realign(self, align: int) -> None:
+        """Lay the shard out anew with each rank's padded rows a multiple of ``align`` rows ([Note: padded shard]
+        in layout.py): the real rows, the DTensor and its spec stay; a hooked parameter stays unaligned. Only at
+        construction (``FSDPParamGroup.realign_shards`` checks)."""
+        if self.extension is not None:
+            return
+        rows = self.padded_shard.narrow(self.shard_dim, 0, self.layout.local_rows)
+        self.policy = dataclasses.replace(self.policy, shard_align=align)
+        self.layout = dataclasses.replace(self.layout, align=align)
+        self._adopt_padded_shard(self._new_padded_shard(rows))
+        self.local_view, _ = self.storage.register(self)  # [Note: shard storage]
+        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,

@@ -20,6 +20,7 @@ class ParamPolicy:
     pin_memory: bool  # host shards and gradients pinned (only meaningful with CUDA)
     host_masters: bool = False  # optimizer_only: shards on the device, masters on the host ([Note: host masters])
     nvme_path: str | None = None  # optimizer state in files there between steps ([Note: optimizer state on NVMe])
+    shard_align: int = 1  # each rank's padded rows a multiple of this ([Note: padded shard] in layout.py)
 
 
 @dataclass(frozen=True)

@@ -49,5 +49,11 @@ def check_post_forward(value: int, shard_size: int, params: tuple[FSDPParam, ...
     problem = post_forward_size_problem(value, shard_size)
     if problem is None and 1 < value < shard_size:
         problem = post_forward_dims_problem(value, [(p.fqn, p.shard_dim) for p in params])
+    aligned = [p.fqn for p in params if p.layout.align > 1]
+    if problem is None and 1 < value < shard_size and aligned:  # the k-rank chunks are unaligned ones
+        problem = (
+            f"reshard_after_forward={value} keeps unaligned chunks, but these shards are aligned: {', '.join(aligned)}",
+            "use True or False for this group",
+        )
     if problem is not None:
         raise ValueError(f"{problem[0]}; {problem[1]}")

@@ -31,8 +31,6 @@ used stale: a forward always sees what the optimizer wrote.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -40,6 +38,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .comm import all_gather_flat
 from .extension import contiguous_stride
+from .layout import ShardLayout
 from .param import FSDPParam, ShardStorage
 from .pinned import host_buffer
 from .reduce import _reduce_scatter_flat, reduces_in_place
@@ -47,47 +46,38 @@ from .seams import GroupView
 from .zero import ShardRefresher, ShardWatch
 
 
-def piece_rows(local_rows: int, replicas: int, replica: int) -> tuple[int, int, int]:
-    """(start, rows, slot) of replica ``replica``'s piece of a chunk of ``local_rows`` rows: torch.chunk's
-    split into ``replicas`` pieces of ``slot = ceil(local_rows / replicas)`` rows, the last ones shorter
-    or empty (DTensor's ``_StridedShard`` gives the same local shapes)."""
-    slot = math.ceil(local_rows / replicas) if local_rows else 0
-    start = min(replica * slot, local_rows)
-    return start, max(0, min(slot, local_rows - start)), slot
-
-
 class ReplicaPieces(ShardStorage):
     """HFSDP's storage: the chunk as HSDP's, a piece of it registered ([Note: replica-sharded groups],
     [Note: shard storage])."""
 
     pinned_alone = True  # the chunk is pinned by itself under CPU offload, outside the group's host buffer
-    piece_start: int  # the piece's first row in the chunk
-    piece_rows: int  # its rows (0 for a replica past the chunk's end)
-    slot_rows: int  # rows of every replica's slot in the replica collectives: ceil(local_rows / R)
+    # the chunk's real rows split over the replicas as torch.chunk splits them ([Note: padded shard] in layout.py):
+    # this replica's piece at ``start``, ``local_rows`` rows (0 past the chunk's end); every replica's slot in
+    # the replica collectives ``padded_rows`` rows
+    piece: ShardLayout
 
     def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
         info = param.mesh_info
-        replica = info.mesh.get_local_rank(0)
-        self.piece_start, self.piece_rows, self.slot_rows = piece_rows(param.local_rows, info.replicate_size, replica)
+        chunk = (param.layout.local_rows, *param.gather_shape[1:])
+        self.piece = ShardLayout(chunk, 0, info.replicate_size, info.mesh.get_local_rank(0))
         meta = TensorMeta(param.orig_shape, contiguous_stride(param.orig_shape), param.orig_dtype)
         placements = (_StridedShard(0, split_factor=info.shard_size), Shard(0))
         spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
-        return param.padded_shard.narrow(0, self.piece_start, self.piece_rows), spec
+        return self.piece.local_of(param.padded_shard), spec
 
     def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
-        return (self.piece_rows, *param.gather_shape[1:])
+        return self.piece.local_shape
 
     def grad_stride(self, param: FSDPParam) -> tuple[int, ...]:
         return contiguous_stride(self.local_shape(param))
 
     def reduced_numel(self, param: FSDPParam) -> int:
         """Elements of this parameter's slot in the replica reduce-scatter's output."""
-        return self.slot_rows * (param.gather_shape.numel() // max(param.gather_shape[0], 1))
+        return self.piece.padded_numel
 
     def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full value (``load_state_dict`` of a full state dict), no communication."""
-        chunk_start = min(param.mesh_info.shard_rank * param.padded_rows, full.shape[0])
-        local = full.detach().narrow(0, chunk_start + self.piece_start, self.piece_rows)
+        local = self.piece.local_of(param.layout.local_of(full.detach()))
         return local.to(param.padded_shard.device, param.orig_dtype)
 
     def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
@@ -102,9 +92,9 @@ class ReplicaPieces(ShardStorage):
         if device.type != "meta":
             if param.padded_shard.device.type != "meta":
                 chunk.copy_(param.padded_shard)
-            chunk.narrow(0, self.piece_start, self.piece_rows).copy_(local.detach())
+            self.piece.local_of(chunk).copy_(local.detach())
         param._adopt_padded_shard(chunk)
-        param.local_view = chunk.narrow(0, self.piece_start, self.piece_rows)
+        param.local_view = self.piece.local_of(chunk)
         return True
 
 
@@ -142,8 +132,7 @@ class ReplicaSync(ShardRefresher):
         sizes = [p.reduced_numel * p.padded_shard.element_size() for p in params]
         send = torch.zeros(sum(sizes), dtype=torch.uint8, device=comm.device)
         for param, piece in zip(params, send.split(sizes)):
-            own = pieces(param)
-            rows = param.padded_shard.narrow(0, own.piece_start, own.piece_rows)
+            rows = pieces(param).piece.local_of(param.padded_shard)
             piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
         received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
         all_gather_flat(received, send, group=self.replicate_group)
@@ -151,8 +140,9 @@ class ReplicaSync(ShardRefresher):
         self.group.meters.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
         for param, columns in zip(params, received.split(sizes, dim=1)):
             chunks = columns.contiguous().view(param.padded_shard.dtype)
-            rows = chunks.view(info.replicate_size * pieces(param).slot_rows, *param.gather_shape[1:])
-            param.padded_shard.narrow(0, 0, param.local_rows).copy_(rows[: param.local_rows])
+            rows = chunks.view(info.replicate_size * pieces(param).piece.padded_rows, *param.gather_shape[1:])
+            local_rows = param.layout.local_rows
+            param.padded_shard.narrow(0, 0, local_rows).copy_(rows[:local_rows])
 
     def reduce_scatter(self, output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.Tensor:
         """The shard-axis reduce-scatter's ``output`` (each parameter's chunk gradient, summed over its replica)
@@ -162,8 +152,8 @@ class ReplicaSync(ShardRefresher):
         replicas = info.replicate_size
         blocks = []
         for param, slot in zip(params, output.split([p.padded_numel for p in params])):
-            rows = slot.view(param.padded_rows, -1)
-            want = replicas * pieces(param).slot_rows
+            rows = slot.view(param.layout.padded_rows, -1)
+            want = replicas * pieces(param).piece.padded_rows
             short = want - rows.shape[0]
             rows = torch.nn.functional.pad(rows, (0, 0, 0, short)) if short > 0 else rows[:want]
             blocks.append(rows.reshape(replicas, -1))

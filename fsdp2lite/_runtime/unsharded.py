@@ -8,8 +8,10 @@ the data again once the group is unsharded for backward. The refill writes throu
 (not through the Parameter), so the parameter's version counter does not move (the values are the
 same ones autograd saved). The storage is padded: shard_size * padded_numel elements, laid out like
 the all-gather's rank-major output (rank r's padded shard at [r * padded_numel, (r + 1) * padded_numel)),
-and the Parameter is its first numel elements viewed as the original shape. The all-gather copy-out
-is then one ``split_with_sizes_copy`` for the whole group, whatever the padding.
+and the Parameter is its first numel elements viewed as the original shape (where the gathered rows are the
+parameter followed by padding, ``layout.gathered_is_contiguous``; else storage of its own, filled from it by
+``finish_copy_out``: [Note: padded shard] in layout.py). The all-gather copy-out is then one
+``split_with_sizes_copy`` for the whole group, whatever the padding.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo
 from .extension import AllGatherExtension, contiguous_stride, ensure_allocated
+from .layout import ShardLayout
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -43,7 +46,7 @@ class UnshardedState:
     shard_dim: int
     tp_spec: DTensorSpec | None
     gather_shape: torch.Size
-    padded_rows: int
+    layout: ShardLayout
     padded_shard: torch.Tensor
     flat_shard: torch.Tensor
     sharded_param: DTensor
@@ -63,17 +66,13 @@ class UnshardedState:
 
     @property
     def padded_numel(self) -> int:
-        """Elements of one rank's padded shard: each rank's slot in the flat buffers."""
-        if self.extension is not None:
-            return self.padded_rows * (self.gather_shape.numel() // max(self.gather_shape[0], 1))
-        return self.flat_shard.numel()
+        """Elements of one rank's padded shard: each rank's slot in the flat buffers (``layout``'s)."""
+        return self.layout.padded_numel
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
-        """Shape of this rank's padded shard: ``gather_shape`` with ``padded_rows`` along the shard dim."""
-        shape = list(self.gather_shape)
-        shape[self.shard_dim] = self.padded_rows
-        return tuple(shape)
+        """Shape of this rank's padded shard (``layout``'s): ``gather_shape`` with ``padded_rows`` along d."""
+        return self.layout.padded_shape
 
     @property
     def device(self) -> torch.device:
@@ -89,13 +88,14 @@ class UnshardedState:
         """Allocate the padded unsharded storage; returns it flat, ``(shard_size * padded_numel,)``.
 
         The first call creates the storage, the Parameter viewing it and the copy-out view; later calls
-        only give the storage its bytes back ([Note: unsharded storage]). Sharded on a dim other than 0,
+        only give the storage its bytes back ([Note: unsharded storage]). Where the gathered rows are not the
+        parameter followed by padding (sharded on a dim other than 0, or aligned: ``layout.gathered_is_contiguous``),
         the flat storage is a rank-major scratch the all-gather is copied out to, and the parameter has
         storage of its own in ``gather_shape`` (``finish_copy_out`` moves the values over)."""
         if self.unsharded_flat is None:
             shard_size = self.mesh_info.shard_size
             storage = torch.empty(shard_size * self.padded_numel, dtype=self.param_dtype, device=self.device)
-            if self.shard_dim == 0:
+            if self.layout.gathered_is_contiguous:
                 local = storage[: self.gather_shape.numel()].view(self.gather_shape)
             else:
                 local = torch.empty(self.gather_shape, dtype=self.param_dtype, device=self.device)
@@ -107,7 +107,7 @@ class UnshardedState:
             self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
             return self.unsharded_flat
         ensure_allocated(self.unsharded_flat)
-        if self.unsharded_local is not None and self.shard_dim != 0:
+        if self.unsharded_local is not None and not self.layout.gathered_is_contiguous:
             ensure_allocated(self.unsharded_local)
         return self.unsharded_flat
 
@@ -129,20 +129,13 @@ class UnshardedState:
         return flat[: group_size * padded_numel].view(group_size, padded_numel)
 
     def finish_copy_out(self) -> None:
-        """Sharded on dim d != 0: move the rank-major copy-out (rank r's padded chunk at row r) into the
-        parameter, chunks side by side along d (one strided copy, two when the last chunk is short),
-        and free the scratch. Nothing to do on dim 0: the copy-out wrote the parameter itself."""
-        if self.shard_dim == 0 or self.unsharded_flat is None or self.unsharded_local is None:
+        """Gathered rows that are not the parameter followed by padding (sharded on a dim d != 0, or aligned):
+        move the rank-major copy-out (rank r's padded chunk at row r) into the parameter, chunks side by side
+        along d (``layout.from_rank_major``), and free the scratch. Nothing to do otherwise: the copy-out
+        wrote the parameter itself."""
+        if self.layout.gathered_is_contiguous or self.unsharded_flat is None or self.unsharded_local is None:
             return
-        d, rows, ws = self.shard_dim, self.padded_rows, self.mesh_info.shard_size
-        chunks = self.unsharded_flat.view(ws, *self.padded_shape).movedim(0, d)  # (..., ws, rows, ...) along d
-        target = self.unsharded_local.data
-        full, rest = divmod(self.gather_shape[d], rows) if rows else (0, 0)
-        if full:
-            split = (*self.gather_shape[:d], full, rows, *self.gather_shape[d + 1 :])
-            target.narrow(d, 0, full * rows).view(split).copy_(chunks.narrow(d, 0, full))
-        if rest:
-            target.narrow(d, full * rows, rest).copy_(chunks.select(d, full).narrow(d, 0, rest))
+        self.layout.from_rank_major(self.unsharded_flat, self.unsharded_local.data)
         self.unsharded_flat.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
@@ -164,7 +157,7 @@ class UnshardedState:
             self.extension.free()  # [Note: all-gather extension]
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
-        if self.unsharded_local is not None and self.shard_dim != 0:
+        if self.unsharded_local is not None and not self.layout.gathered_is_contiguous:
             self.unsharded_local.untyped_storage().resize_(0)
 
     def zero_unsharded_grad(self) -> torch.Tensor:

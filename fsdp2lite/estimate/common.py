@@ -3,7 +3,6 @@ step's inputs, the optimizer, and byte arithmetic of shards."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._runtime.layout import ShardLayout
 from ..config import FSDPConfig, Match, Plan, WrapRule, plan_config
 
 BREAKDOWN_KEYS = ("params", "unsharded_params", "grads", "optimizer", "activations", "comm_buffers")
@@ -237,11 +237,11 @@ def _embedding_and_head(model: nn.Module) -> list[str]:
 
 def sharded_nbytes(param: torch.Tensor, shard: int, dim: int = 0) -> int:
     """Bytes of one rank's padded shard of ``param`` sharded on ``dim`` over ``shard`` ranks:
-    ``ceil(size(dim) / shard)`` rows of the other dims' elements (what ``fully_shard`` allocates)."""
+    ``ceil(size(dim) / shard)`` rows of the other dims' elements (what ``fully_shard`` allocates: its
+    ``ShardLayout``, [Note: padded shard] in _runtime/layout.py)."""
     if param.dim() == 0:
         return param.element_size()  # cannot be sharded: plan_config reports it
-    rest = math.prod(size for d, size in enumerate(param.shape) if d != dim)
-    return math.ceil(param.shape[dim] / shard) * rest * param.element_size()
+    return ShardLayout(tuple(param.shape), dim % param.dim(), shard, 0).padded_numel * param.element_size()
 
 
 def offloaded_share(model: nn.Module) -> tuple[int, float]:

@@ -13,7 +13,7 @@ not divide by 3. ``NF4Rows`` holds the same bytes by rows instead:
 
 With columns a multiple of 64 a row holds whole scale blocks, so any run of rows is a valid piece and
 fsdp2lite shards it as it shards every parameter (``torch.chunk`` by rows, a rank's share padded with zero
-rows to ``ceil(rows / degree)``: [Note: padded shard] in _runtime/param.py). The factors are not split:
+rows to ``ceil(rows / degree)``: [Note: padded shard] in _runtime/layout.py). The factors are not split:
 a factor's 256 scales may straddle two ranks, so every piece keeps the whole weight's (1/16384 of the
 values, 8 MiB in bf16 for a 70B) by reference. The all-gather moves codes and scales, padding included:
 

@@ -27,7 +27,6 @@ one NF4 tensor into another is not used (torchao's copy needs every piece of met
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .._runtime.comm import all_gather_flat
+from .._runtime.layout import ShardLayout
 from .._summary import summarized
 from .deps import require_libraries
 from .nf4_rows import BLOCK_SIZE, SCALER_BLOCK_SIZE, NF4Rows, WholeNF4, nf4_tensor, rows_of
@@ -154,18 +154,18 @@ def row_parts(rows: torch.Tensor, total_rows: int, group: dist.ProcessGroup | No
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = rows.contiguous()
     per_row = rows.shape[1] // BLOCK_SIZE  # block scales in a row
-    padded_rows = math.ceil(total_rows / world)
+    layout = ShardLayout((total_rows, per_row), 0, world, rank)  # the scales' rows: [Note: padded shard]
     local_scales = rows.view(-1, BLOCK_SIZE).abs().amax(dim=1)  # (local_rows * per_row,)
-    padded_scales = local_scales.new_zeros(padded_rows * per_row)  # every rank's share the same size
+    padded_scales = local_scales.new_zeros(layout.padded_numel)  # every rank's share the same size
     padded_scales[: local_scales.numel()] = local_scales
     gathered = padded_scales.new_empty(world * padded_scales.numel())
-    all_gather_flat(gathered, padded_scales, group=group)  # (world * padded_rows * per_row,) rank-major
+    all_gather_flat(gathered, padded_scales, group=group)  # (world * padded_numel,) rank-major
     all_scales = gathered[: total_rows * per_row].clone()  # (blocks,) in row order: to_nf4's block scales
     mean = all_scales.mean()  # what to_nf4 of the whole tensor subtracts
     centered = (all_scales - mean).view(-1, SCALER_BLOCK_SIZE)  # (scaler_blocks, 256)
     factor = 256 / (2 * centered.abs().amax(dim=1))  # (scaler_blocks,)
     quantized = (centered * factor.unsqueeze(1)).round().clamp(-128, 127).flatten().to(torch.int8)
-    start = min(rank * padded_rows, total_rows) * per_row
+    start = layout.start * per_row
     scalers = quantized[start : start + local_scales.numel()].view(rows.shape[0], per_row)
     codes = rows.new_empty((0, rows.shape[1] // 2), dtype=torch.uint8)
     if rows.numel():  # each block scaled by its own absmax: a rank's rows alone give their codes
