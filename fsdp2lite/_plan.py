@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ._precision import override_casts
 from ._runtime.extension import has_extension
-from ._runtime.post_forward import post_forward_dims_problem, post_forward_size_problem
+from ._runtime.post_forward import is_rank_count, post_forward_dims_problem, post_forward_size_problem
 from ._summary import summarized
 from .host.nvme import nvme_path_problem
 from .mesh import MeshInfo, check_tp_mesh
@@ -190,6 +190,12 @@ class GroupSettings:
     def offloaded(self) -> CPUOffloadPolicy | None:
         return self.offload if isinstance(self.offload, CPUOffloadPolicy) else None
 
+    @property
+    def reshard_as_built(self) -> bool | int | None:
+        """What the group is built with: ``reshard_after_forward``, except that a resident group (ZeRO-1/2) keeps
+        its parameters through forward ([Note: resident groups]; the plan refuses anything but None/False)."""
+        return False if self.sharding is not None and self.sharding.resident else self.reshard_after_forward
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -329,7 +335,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def _post_forward_dims(spec: GroupSpec) -> list[Problem]:
     value = spec.settings.reshard_after_forward
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 1:
+    if not is_rank_count(value) or value <= 1:
         return []
     if spec.mesh is not None and value >= spec.mesh.shard_size:
         return []  # the whole shard group: dim-0 chunks or not, it reshards as True
@@ -386,7 +392,7 @@ def mesh_problems(spec: GroupSpec) -> list[Problem]:
         return []
     problems = []
     value = spec.settings.reshard_after_forward
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_rank_count(value):
         problem = post_forward_size_problem(value, mesh.shard_size)
         if problem is not None:
             problems.append(Problem(spec.label, *problem))

@@ -53,7 +53,6 @@ def apply_sharding(group: FSDPParamGroup, sharding: ShardingPolicy | None) -> No
     if sharding is None:
         return
     if sharding.resident:
-        group.set_reshard_after_forward(False)  # kept through forward: [Note: resident groups]
         group.add_storage(Resident(group))
         watch_optimizer_steps()
     if sharding.replica_sharded:

@@ -123,11 +123,18 @@ def fully_shard(
     return module
 
 
-def shard_spec(spec: GroupSpec, mesh: DeviceMesh | None, patterns: OverridePatterns | None = None) -> None:
+def shard_spec(
+    spec: GroupSpec, mesh: DeviceMesh | None, patterns: OverridePatterns | None = None, *, checked: bool = False
+) -> None:
     """Check a planned group on its mesh, every problem at once, then build it, all or nothing: ``fully_shard``'s
-    second half, and what ``apply_config`` calls with each group its policy file's plan made (planned once)."""
+    second half, and what ``apply_config`` calls with each group its policy file's plan made (planned once;
+    ``checked``: its problems were already reported, with and without the mesh, so they are not sought again)."""
     owned = [OwnedParam(p.fqn, p.param, list(p.places)) for p in spec.params]
-    spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
+    if checked:
+        mesh_info = _mesh_info(mesh, owned, spec.settings.offloaded is not None)
+        spec = spec.on_mesh(MeshShape.of(mesh_info))
+    else:
+        spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
     modules, mp_policy = spec.modules, spec.settings.mixed_precision
     with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # build: all or nothing
         params = _make_params(spec, mesh_info)
@@ -187,9 +194,7 @@ def _make_group(params: tuple[FSDPParam, ...], spec: GroupSpec, mesh_info: MeshI
     if not params:
         return None
     settings = spec.settings
-    group = FSDPParamGroup(
-        params, spec.modules, mesh_info, settings.reshard_after_forward, settings.comm, host=HostEngine()
-    )
+    group = FSDPParamGroup(params, spec.modules, mesh_info, settings.reshard_as_built, settings.comm, host=HostEngine())
     apply_sharding(group, settings.sharding)
     return group
 

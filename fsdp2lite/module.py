@@ -126,7 +126,7 @@ class FSDPModule(_TorchFSDPModule):
         for group in groups:  # every group checked before any changes
             group.check_reshard_after_forward(reshard_after_forward)
         for group in groups:
-            group.set_reshard_after_forward(reshard_after_forward)
+            group.set_reshard_after_forward(reshard_after_forward)  # checked above, once
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: skip (False) the all-reduce across replicas; reduce-scattered sums are kept and added

@@ -381,7 +381,7 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
     for name, group in groups.items():
         if name:  # the root's auto is resolved at the first forward
             requested = None if expected["reshard_after_forward"] == "auto" else expected["reshard_after_forward"]
-            assert group.reshard_after_forward_requested == (False if expected.get("resident") else requested)
+            assert group.post_forward_reshard.requested == (False if expected.get("resident") else requested)
         dtype = expected["param_dtype"] or torch.float32
         assert all(p.param_dtype == dtype for p in group.params), name
         assert group.keeps_unsharded == expected.get("resident", False), name

@@ -18,7 +18,7 @@ from ..policies import CommPolicy
 from .comm import Ranks
 from .gather import GatherForm, choose_gather, one_dtype
 from .param import FSDPParam
-from .post_forward import check_post_forward
+from .post_forward import PostForwardReshard, check_post_forward, is_rank_count
 from .reduce import ReduceForm, choose_reduce
 from .replica_step import DeferredReplicas, NoReplicas, ReplicaAllReduce, ReplicaReduceScatter, ReplicaStep
 from .replicas import ReplicaSync
@@ -28,7 +28,7 @@ from .split_reduce import split_if_mixed
 class GroupChoices:
     """A group's communication settings and the forms they choose (the base of ``FSDPParamGroup``)."""
 
-    reshard_after_forward_requested: bool | int | None  # the user's value; None = decided by the root
+    post_forward_reshard: PostForwardReshard  # reshard_after_forward decoded: [Note: post-forward reshard]
     reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
     post_forward_group: Ranks | None  # set when reshard_after_forward is an int k
     requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
@@ -46,22 +46,24 @@ class GroupChoices:
     def check_reshard_after_forward(self, value: bool | int | None) -> None:
         """Raise for a value this group cannot take (an int that does not divide the shard group size, or
         one that would reshard parameters sharded on a dim other than 0)."""
-        if isinstance(value, bool) or value is None:
-            return
-        check_post_forward(value, self.mesh_info.shard_size, self.params)
+        if is_rank_count(value):
+            check_post_forward(value, self.mesh_info.shard_size, self.params)
 
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Record the user's value and resolve what it can now (None waits for lazy init); checked first."""
-        self.check_reshard_after_forward(value)
-        post_forward_group = None
-        if isinstance(value, int) and not isinstance(value, bool) and 1 < value < self.mesh_info.shard_size:
-            group, rank = self.mesh_info.post_forward_group(value)
-            post_forward_group = Ranks(group, value, rank)
-        self.reshard_after_forward_requested = value
-        self.reshard_after_forward = (
-            value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
-        )
-        self.post_forward_group = post_forward_group
+    def set_reshard_after_forward(self, value: bool | int | None, is_root: bool = False) -> None:
+        """Take a value checked by the caller (the plan, or ``check_reshard_after_forward``); None waits for
+        lazy init (``resolve_reshard_for_root``). An int k makes the k-rank process groups."""
+        self.post_forward_reshard = PostForwardReshard.of(value, self.mesh_info.shard_size)
+        self.reshard_after_forward = self.post_forward_reshard.frees(is_root)
+        k = self.post_forward_reshard.ranks
+        if k is None:
+            self.post_forward_group = None
+        else:
+            group, rank = self.mesh_info.post_forward_group(k)
+            self.post_forward_group = Ranks(group, k, rank)
+
+    def resolve_reshard_for_root(self, is_root: bool) -> None:
+        """Lazy init: a group left to the root's decision (None) frees after forward unless it is the root."""
+        self.reshard_after_forward = self.post_forward_reshard.frees(is_root)
 
     def set_comm_policy(self, policy: CommPolicy) -> None:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);

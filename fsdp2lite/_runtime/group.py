@@ -82,8 +82,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self._extension_params = tuple(p for p in params if p.extension is not None)
         self.modules = modules
         self.mesh_info = mesh_info
-        self.post_forward_group = None
-        self.set_reshard_after_forward(reshard_after_forward)
+        self.set_reshard_after_forward(reshard_after_forward)  # checked by the plan: [Note: one plan]
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True

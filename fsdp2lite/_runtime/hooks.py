@@ -173,9 +173,7 @@ class FSDPState:
                 state.init_group_for_root(state.group)
 
     def init_group_for_root(self, group: FSDPParamGroup) -> None:
-        if group.reshard_after_forward_requested is None:
-            # the root keeps its parameters (backward starts with it), every other group frees them
-            group.reshard_after_forward = not self.is_root
+        group.resolve_reshard_for_root(bool(self.is_root))  # reshard_after_forward=None: the root keeps
         group.reset_sharded_params()
 
     # ---- forward ----------------------------------------------------------------------------

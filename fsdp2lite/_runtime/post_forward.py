@@ -16,7 +16,34 @@ the forward's all-gather (torch's ``fully_shard`` refuses an int for hooked para
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
 from .param import FSDPParam
+
+
+def is_rank_count(value: Any) -> TypeGuard[int]:
+    """``reshard_after_forward=k``'s k: an int that is not a bool (True and False are ints in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PostForwardReshard:
+    """``reshard_after_forward`` decoded once, from a value already checked (``_plan.py``, or the setter's
+    ``check_post_forward``): what a group does with its unsharded parameters after forward."""
+
+    requested: bool | int | None  # the user's value; None: the root keeps, every other group frees
+    ranks: int | None  # k of a k-rank reshard (1 < k < shard size); None: all freed or all kept
+
+    @classmethod
+    def of(cls, value: bool | int | None, shard_size: int) -> PostForwardReshard:
+        return cls(value, value if is_rank_count(value) and 1 < value < shard_size else None)
+
+    def frees(self, is_root: bool) -> bool:
+        """Whether forward ends by freeing (or shrinking to k ranks) the unsharded parameters."""
+        if self.requested is None:
+            return not is_root  # the root keeps its parameters: backward starts with it
+        return self.requested > 1 if is_rank_count(self.requested) else bool(self.requested)
 
 
 def post_forward_size_problem(value: int, shard_size: int) -> tuple[str, str] | None:

@@ -38,7 +38,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
         mesh = init_mesh(replicate=config.mesh.replicate, shard=config.mesh.shard, device_type=_device_type(model))
     if mesh is not None:
         info = mesh_info_for(mesh)
-        problems += mesh_problems(plan, config, info.shard_size, info.replicate_size)
+        problems += mesh_problems(plan, config, info.shard_size, info.replicate_size, info)
     if problems:
         raise ConfigError("config applied to " + type(model).__name__, problems)
     with ModuleSnapshot(model.modules()).all_or_nothing():  # the model is as it was before the call, or sharded
@@ -79,7 +79,7 @@ def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, sha
     """Each planned group built from its spec (planned once: ``api.shard_spec`` checks it on the mesh and builds
     it, as ``fully_shard`` does with the spec it plans), deepest first, then the root."""
     for group, spec in zip(plan.groups, plan.specs):
-        shard_spec(spec, mesh)
+        shard_spec(spec, mesh, checked=True)  # plan_config and mesh_problems checked it: [Note: one plan]
         module = group.modules[0]
         if group.policy.reduce_scatter_unused_params:
             module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]

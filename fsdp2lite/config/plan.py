@@ -24,6 +24,7 @@ from .._plan import (
     settings_problems,
 )
 from .._plan import mesh_problems as plan_mesh_problems
+from ..mesh import MeshInfo
 from ..policies import CommPolicy, MixedPrecisionPolicy, ShardingPolicy
 from .errors import Problem
 from .schema import FSDPConfig, OffloadConfig, ReshardAfterForward, WrapRule, as_list
@@ -213,11 +214,14 @@ def _plan_precision(model: nn.Module, config: FSDPConfig, plan: Plan) -> None:
             plan.precision.setdefault(name, rule.policy())
 
 
-def mesh_problems(plan: Plan, config: FSDPConfig, shard_size: int, replicate_size: int = 1) -> list[Problem]:
+def mesh_problems(
+    plan: Plan, config: FSDPConfig, shard_size: int, replicate_size: int = 1, info: MeshInfo | None = None
+) -> list[Problem]:
     """What only the mesh decides (an int ``reshard_after_forward`` must divide the shard degree, HFSDP needs
-    replicas...): ``fully_shard``'s mesh checks on each planned group. Shared by ``apply_config`` (its mesh) and
+    replicas...): ``fully_shard``'s mesh checks on each planned group. Shared by ``apply_config`` (its mesh, whose
+    ``info`` adds the checks that need the mesh itself: tensor-parallel meshes, the NVMe directory) and
     ``explain`` (its ``--world-size``). ``config``: kept for callers of earlier releases."""
-    mesh = MeshShape(shard_size, replicate_size)
+    mesh = MeshShape(shard_size, replicate_size, info)
     problems: list[Problem] = []
     for group, spec in zip(plan.groups, plan.specs):
         rule = "" if group.rule_index is None else f"wrap.{group.rule_index}"
