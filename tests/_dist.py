@@ -18,7 +18,9 @@ too. Subprocesses that mean CPU start with CUDA hidden instead (``tests/_cpu_env
 
 Ranks are forked from a fork server (``multiprocessing``'s "forkserver" start method) that imported torch
 and fsdp2lite once: a spawn then costs about 0.05 s instead of 2-4 s of fresh interpreters importing torch,
-paid by every spawn of the suite. The server itself never runs torch code (no threads, no CUDA), so a fork
+paid by every spawn of the suite. The server imports transformers and peft too (when installed): ranks that
+build a Hugging Face model or a LoRA otherwise each paid 2-4 s of CPU importing them (four such test files
+took 88 s alone, 66 s with them preloaded, on 2 cores). The server itself never runs torch code (no threads, no CUDA), so a fork
 of it is as clean as a fresh process; it is started once per pytest process, with that moment's
 environment: a test that changes ``os.environ`` for its ranks passes it in ``args`` instead.
 """
@@ -42,7 +44,7 @@ from fsdp2lite._spawn import exit_rank_process
 TIMEOUT_S = 300  # a collective no rank answers fails after this long instead of hanging the suite
 START_METHOD = "forkserver"  # ranks forked from a server that imported these once (see the docstring)
 multiprocessing.set_forkserver_preload(
-    ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "fsdp2lite", "_dist"]
+    ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "fsdp2lite", "_dist", "transformers", "peft"]
 )
 
 
