@@ -272,6 +272,16 @@ def settings_problems(settings: GroupSettings, label: str) -> list[Problem]:
                 "leave reshard_after_forward at None / auto (or False), or shard='params'",
             )
         )
+    if sharding is not None and sharding.align > 1 and (sharding.resident or sharding.replica_sharded):
+        kind = "shard='optimizer' (ZeRO-1/2)" if sharding.resident else "replicate='optimizer' (HFSDP)"
+        problems.append(
+            Problem(
+                label,
+                f"ShardingPolicy(align={sharding.align}) pads ZeRO-3 and HSDP shards; {kind} is not built on aligned "
+                "shards yet",
+                "use align=1 with this sharding, or shard='params', replicate='none'",
+            )
+        )
     if offload is not None and offload.optimizer_only and sharding is not None and sharding.replica_sharded:
         problems.append(
             Problem(
@@ -396,6 +406,16 @@ def mesh_problems(spec: GroupSpec) -> list[Problem]:
         problem = post_forward_size_problem(value, mesh.shard_size)
         if problem is not None:
             problems.append(Problem(spec.label, *problem))
+        align = 1 if spec.settings.sharding is None else spec.settings.sharding.align
+        if problem is None and 1 < value < mesh.shard_size and align > 1:
+            problems.append(
+                Problem(
+                    spec.label,
+                    f"reshard_after_forward={value} keeps torch.chunk's k-rank chunks, but "
+                    f"ShardingPolicy(align={align}) pads this group's shards",
+                    "use True or False for this group, or align=1",
+                )
+            )
     if spec.settings.sharding is not None and spec.settings.sharding.replica_sharded and mesh.replicate_size == 1:
         problems.append(
             Problem(

@@ -250,7 +250,7 @@ def _param_specs(
 def _make_params(spec: GroupSpec, info: MeshInfo) -> tuple[FSDPParam, ...]:
     """The group's parameters, each under its policy (the group's, or an override's dtypes) and MixedPrecisionPolicy
     (for the all-gather hooks), with the storage the spec's sharding and the policy ask for (``_stages``)."""
-    base = _param_policy(spec.settings.mixed_precision, spec.settings.offload, info)
+    base = _param_policy(spec.settings.mixed_precision, spec.settings.offload, info, spec.settings.sharding)
     made = []
     for p in spec.params:
         mp = p.mixed_precision
@@ -309,7 +309,12 @@ def _accept_full_tensors_on_load(params: tuple[FSDPParam, ...]) -> None:
 
 
 # ---- input checks that need the parameters or the mesh (the others: _arguments.py) ----------------
-def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, mesh_info: MeshInfo) -> ParamPolicy:
+def _param_policy(
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    mesh_info: MeshInfo,
+    sharding: ShardingPolicy | None = None,
+) -> ParamPolicy:
     """The policies the parameters run under, now that the compute device is known (pinning needs CUDA)."""
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
@@ -330,6 +335,7 @@ def _param_policy(mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
         pin,
         host_masters=host_masters,
         nvme_path=offload_policy.nvme_path if nvme else None,  # type: ignore[attr-defined]
+        shard_align=1 if sharding is None else sharding.align,  # [Note: padded shard] in _runtime/layout.py
     )
 
 

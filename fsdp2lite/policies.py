@@ -210,7 +210,8 @@ class ShardingPolicy(BaseModel):
     once after the shards change). ``replicate``, on a 2-D (replicate, shard) mesh: ``none`` (HSDP: every
     replica holds whole shards, their gradients all-reduced) or ``optimizer`` (HFSDP: masters and optimizer
     state sharded across the replicas too, gradients reduce-scattered across them, the shards rebuilt by one
-    all-gather across them after the step)."""
+    all-gather across them after the step). ``align`` pads each rank's shard to whole blocks of rows ([Note:
+    padded shard] in ``_runtime/layout.py``)."""
 
     model_config = _FROZEN
 
@@ -221,6 +222,14 @@ class ShardingPolicy(BaseModel):
         "none",
         description="none: each replica holds whole shards (HSDP, default); optimizer: masters and optimizer state "
         "sharded across the replicas too (HFSDP, a 2-D mesh)",
+    )
+    align: int = Field(
+        1,
+        ge=1,
+        strict=True,
+        description="each rank's shard padded to a multiple of this many rows (e.g. 256 for block-wise 8-bit "
+        "optimizer states or quantization blocks that must not straddle ranks); the rows each rank holds stay "
+        "torch.chunk's, so checkpoints and DTensor placements do not change; 1: no padding beyond torch.chunk's",
     )
 
     @classmethod

@@ -128,10 +128,7 @@ def _build(align: int, **kwargs: Any) -> Net:
     torch.manual_seed(0)
     model = Net()
     for module in _groups(model):
-        fl.fully_shard(module, **kwargs)
-    if align > 1:
-        for module in _groups(model):
-            module._fsdp_state.group.realign_shards(align)  # type: ignore[operator]
+        fl.fully_shard(module, sharding=fl.ShardingPolicy(align=align), **kwargs)
     return model
 
 
@@ -206,8 +203,7 @@ def scenario_trains_as_unaligned(rank: int, ws: int) -> None:
 
 
 def scenario_loads_full_tensors(rank: int, ws: int) -> None:
-    """A full state dict loads into aligned shards (each rank cuts its rows), and only before use can they be
-    aligned."""
+    """A full state dict loads into aligned shards (each rank cuts its rows)."""
     ref, model = _build(1), _build(ALIGN)
     with torch.no_grad():
         for param in ref.parameters():
@@ -216,8 +212,6 @@ def scenario_loads_full_tensors(rank: int, ws: int) -> None:
     _assert_same(model, ref, "loaded")
     _check_aligned(model, ws)
     mlp_loss(model, mlp_batch(0, rank)).backward()
-    with pytest.raises(ValueError, match="after the group was used"):
-        model.inp._fsdp_state.group.realign_shards(ALIGN)  # type: ignore[operator]
 
 
 def scenario_three_ranks(rank: int, ws: int) -> None:
@@ -232,3 +226,51 @@ def test_aligned_shards_on_two_ranks() -> None:
 
 def test_aligned_shards_on_three_ranks() -> None:
     spawn_checks(3, scenario_three_ranks)
+
+
+# ---- the setting: ShardingPolicy(align=N), refused where aligned shards are not built ------------------------
+def test_the_plan_refuses_alignment_where_it_is_not_built() -> None:
+    """ZeRO-1/2, HFSDP and a k-rank post-forward reshard keep torch.chunk's unpadded chunks: with ``align > 1``
+    they are refused before anything changes, naming the setting (rank 1 of 4, fake process group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+        square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        cases = [
+            (flat, {"sharding": fl.ShardingPolicy(shard="optimizer", align=8)}, r"align=8\) pads.*shard='optimizer'"),
+            (
+                square,
+                {"sharding": fl.ShardingPolicy(replicate="optimizer", align=8)},
+                r"replicate='optimizer' \(HFSDP\)",
+            ),
+            (
+                flat,
+                {"sharding": fl.ShardingPolicy(align=8), "reshard_after_forward": 2},
+                r"reshard_after_forward=2 keeps torch.chunk's k-rank chunks, but ShardingPolicy\(align=8\)",
+            ),
+        ]
+        for mesh, kwargs, pattern in cases:
+            block = nn.Linear(16, 16)
+            with pytest.raises(ValueError, match=pattern):
+                fl.fully_shard(block, mesh, **kwargs)
+            assert not isinstance(block, fl.FSDPModule) and not isinstance(block.weight, DTensor)
+        block = nn.Linear(16, 16)
+        fl.fully_shard(block, flat, sharding=fl.ShardingPolicy(align=8), reshard_after_forward=4)  # 4 ranks: True
+        assert block.weight.to_local().shape == (4, 16) and block._fsdp_state.group.params[0].layout.padded_rows == 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_policy_file_asks_for_alignment() -> None:
+    """``sharding: {align: N}`` in YAML: a rank count >= 1 (not a bool), kept when ``zero_stage`` sets the shard."""
+    from fsdp2lite.config import ConfigError
+
+    assert fl.FSDPConfig.model_validate({"sharding": {"align": 256}}).sharding.align == 256
+    assert fl.FSDPConfig.model_validate({"zero_stage": 3, "sharding": {"align": 256}}).sharding.align == 256
+    for bad in (0, True, "256"):
+        with pytest.raises((ConfigError, ValueError), match="align"):
+            fl.FSDPConfig.model_validate({"sharding": {"align": bad}})

@@ -146,25 +146,6 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         if renewed:  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
             self.choose_gather()  # the form's views of the old shards are stale
 
-    def realign_shards(self, align: int) -> None:
-        """Construction time: every shard laid out anew with each rank's padded rows a multiple of ``align`` rows
-        ([Note: padded shard] in layout.py). Internal (``ParamPolicy.shard_align`` is the setting; until
-        ``fully_shard`` passes it, tests call this on ``module._fsdp_state.group`` right after ``fully_shard``)."""
-        used = any(p.unsharded_param is not None for p in self.params) or self.training_state is not TrainingState.IDLE
-        if used or self.sharded_state is not ShardedState.SHARDED or align < 1:
-            raise ValueError(f"{self.name}: shards aligned to {align} rows after the group was used (or align < 1)")
-        if self.post_forward_group is not None and align > 1:
-            raise ValueError(
-                f"{self.name}: reshard_after_forward={self.post_forward_group.size} keeps unaligned chunks"
-            )
-        for param in self.params:
-            param.realign(align)
-        self._copied_out_params = tuple(p for p in self.params if not p.layout.gathered_is_contiguous)
-        self.host_arena = pack_host_shards(self, self.host_arena)  # new host shards: packed anew
-        for storage in self.storages:
-            storage.on_reset(True)
-        self.choose_gather()
-
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
         if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:

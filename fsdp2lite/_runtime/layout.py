@@ -20,7 +20,8 @@ many from the reduce-scatter. The real rows are torch.chunk's whatever the align
 gathered rows are the tensor followed by padding (``gathered_is_contiguous``: dim 0, no alignment padding
 inside) the unsharded tensor is a view of them; elsewhere (another dim, or aligned) it is copied out of them
 (``from_rank_major``) and the gradient is laid out rank-major first (``rank_major``). ``align``: rows, a
-construction-time setting (``ParamPolicy.shard_align``) for block-aligned shards; a parameter with torch's
+construction-time setting (``ShardingPolicy(align=N)``, resolved into ``ParamPolicy.shard_align``) for
+block-aligned shards; a parameter with torch's
 all-gather hooks stays unaligned (its hook cuts only trailing padding).
 """
 

@@ -23,7 +23,6 @@ its gradient, a DTensor on the tp mesh, is brought to those placements and reduc
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any, cast
 
@@ -257,19 +256,6 @@ class FSDPParam(GradientState, HookState, UnshardedState):
         if self.offload_to_cpu:
             padded = AllGatherExtension.to_host(padded, self.pin_memory)
         self._adopt_padded_shard(padded)
-
-    def realign(self, align: int) -> None:
-        """Lay the shard out anew with each rank's padded rows a multiple of ``align`` rows ([Note: padded shard]
-        in layout.py): the real rows, the DTensor and its spec stay; a hooked parameter stays unaligned. Only at
-        construction (``FSDPParamGroup.realign_shards`` checks)."""
-        if self.extension is not None:
-            return
-        rows = self.padded_shard.narrow(self.shard_dim, 0, self.layout.local_rows)
-        self.policy = dataclasses.replace(self.policy, shard_align=align)
-        self.layout = dataclasses.replace(self.layout, align=align)
-        self._adopt_padded_shard(self._new_padded_shard(rows))
-        self.local_view, _ = self.storage.register(self)  # [Note: shard storage]
-        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,

@@ -373,7 +373,7 @@ class FSDPConfig(BaseModel):
                 f"zero_stage: {self.zero_stage} means sharding.shard: {implied}, but sharding says "
                 f"shard: {self.sharding.shard}; give one of them"
             )
-        object.__setattr__(self, "sharding", ShardingPolicy(shard=implied, replicate=self.sharding.replicate))
+        object.__setattr__(self, "sharding", self.sharding.model_copy(update={"shard": implied}))
         return self
 
     @model_validator(mode="after")
