@@ -20,8 +20,8 @@ Ranks are forked from a fork server (``multiprocessing``'s "forkserver" start me
 and fsdp2lite once: a spawn then costs about 0.05 s instead of 2-4 s of fresh interpreters importing torch,
 paid by every spawn of the suite. The server imports transformers and peft too (when installed): ranks that
 build a Hugging Face model or a LoRA otherwise each paid 2-4 s of CPU importing them (four such test files
-took 88 s alone, 66 s with them preloaded, on 2 cores). The server itself never runs torch code (no threads, no CUDA), so a fork
-of it is as clean as a fresh process; it is started once per pytest process, with that moment's
+took 88 s alone, 66 s with them preloaded, on 2 cores). The server itself never runs torch code (no threads,
+no CUDA), so a fork of it is as clean as a fresh process; it is started once per pytest process, with that moment's
 environment: a test that changes ``os.environ`` for its ranks passes it in ``args`` instead.
 """
 

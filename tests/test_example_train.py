@@ -12,6 +12,9 @@ One set of runs (module fixture) on a tiny Llama and the bundled text, then chec
   nothing to resume;
 - F: fsdp2lite's own GPT;
 - G: the multi-node command (``--nnodes 2 --rdzv-backend c10d``) as two 1-process nodes: A's losses.
+A, G and the killed-rank jobs run under torchrun itself; the others (B-F, H-K) test what train.py does, so they
+run its ``main(ARGS)`` in processes forked from the test fork server, which imported torch, transformers and
+fsdp2lite once (``main_in_forks``): every launch of a fresh ``python examples/train.py`` paid 3-6 s of imports.
 Bad arguments run on 2 ranks by hand (not through torchrun) so that each rank's exit code and output
 can be checked: rank 0 prints one clear error, every rank exits 2 without a traceback; every case runs
 train.py's main() on 2 ranks forked once for all of them, and two of the cases (one the parser refuses,
@@ -34,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cpu_env import cpu_env
+from _cpu_env import LAUNCHER_VARIABLES, cpu_env
 from _models import example_train
 
 from fsdp2lite._spawn import exit_rank_process
@@ -109,13 +112,6 @@ def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def pythons(*runs: list[str], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
-    """Several one-process runs (``python examples/train.py ARGS``), independent of each other, started at
-    once: each runs on one thread (cpu_env), so two of them share 2 cores where one after the other would
-    leave a core idle."""
-    return together([([sys.executable, str(SCRIPT), *args], env()) for args in runs], cwd)
-
-
 def record(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -176,46 +172,47 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(uninterrupted: dict[str, Any]) -> dict[str, Any]:
-    tmp = uninterrupted["tmp"]
+def runs(uninterrupted: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A's checks' companions, each examples/train.py's main() in processes forked once per batch (main_in_forks):
+    the launcher itself is A's, G's and the killed-rank jobs' part, so these need no torchrun."""
+    tmp, root = uninterrupted["tmp"], tmp_path_factory.mktemp("forked")
     base = [*COMMON, "--config", "fp32.yaml"]
     out: dict[str, Any] = dict(uninterrupted)
     shutil.copytree(tmp / "ckA" / "step-0000002", tmp / "ckB" / "step-0000002")
     (tmp / "ckB" / "step-0000003").mkdir()  # a save that never finished: no train_state.json
-    out["B"] = record(torchrun(*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl", cwd=tmp))
     single = [*COMMON, "--batch", "4"]
     (tmp / "offload.yaml").write_text(LAYERS_FP32 + "offload: {device: cpu, pin_memory: false}\n")
     unclipped = [*single, "--config", "offload.yaml", "--max-grad-norm", "0"]
     in_backward = [*unclipped, "--step-in-backward", "--save-every", "2"]
-    c, h, i, j = pythons(
-        [*single, "--config", "fp32.yaml", "--metrics", "C.jsonl"],
-        [*single, "--config", "offload.yaml", "--metrics", "H.jsonl"],
-        [*in_backward, "--checkpoint-dir", "ckI", "--metrics", "I.jsonl"],
-        [*unclipped, "--metrics", "J.jsonl"],
-        cwd=tmp,
-    )
-    out.update(C=record(c), H=record(h), I=record(i), J=record(j))
-    shutil.copytree(tmp / "ckI" / "step-0000002", tmp / "ckK" / "step-0000002")  # K resumes from I's step 2
-    resume = ["--checkpoint-dir", "ckK", "--resume", "latest", "--metrics", "K.jsonl"]
+    resume = ["--checkpoint-dir", "ckK", "--resume", "ckI/step-0000002", "--metrics", "K.jsonl"]
     gpt = ["--model-config", "gpt", "--seq", "32", "--steps", "2", "--log-every", "1"]
-    k, f = pythons([*in_backward, *resume], gpt, cwd=tmp)
-    out.update(K=record(k), F=record(f))
+    here = str(tmp)
     save_initial_weights(tmp / "weights")
-    out["D"] = record(torchrun(*base, "--weights", "weights", "--metrics", "D.jsonl", cwd=tmp))
     out["E_tokens"] = gpt2_with_tokenizer(tmp / "gpt2-bpe")
-    e_args = [
-        "--model-config",
-        "gpt2-bpe",
-        "--seq",
-        "16",
-        "--steps",
-        "2",
-        "--checkpoint-dir",
-        "ckE",
-        "--resume",
-        "latest",
+    e_args = ["--model-config", "gpt2-bpe", "--seq", "16", "--steps", "2", "--checkpoint-dir", "ckE", "--resume"]
+    two_ranks = [
+        ("B", [*base, "--checkpoint-dir", "ckB", "--resume", "latest", "--metrics", "B.jsonl"], here),
+        ("D", [*base, "--weights", "weights", "--metrics", "D.jsonl"], here),
+        ("E", [*e_args, "latest"], here),
     ]
-    out["E"] = record(torchrun(*e_args, cwd=tmp))
+    forked = main_in_forks([two_ranks, two_ranks], 2, root)
+    # one-process runs, two lanes side by side; K resumes from I's step 2, after I in I's lane
+    lanes = [
+        [
+            ("C", [*single, "--config", "fp32.yaml", "--metrics", "C.jsonl"], here),
+            ("I", [*in_backward, "--checkpoint-dir", "ckI", "--metrics", "I.jsonl"], here),
+            ("K", [*in_backward, *resume], here),
+        ],
+        [
+            ("H", [*single, "--config", "offload.yaml", "--metrics", "H.jsonl"], here),
+            ("J", [*unclipped, "--metrics", "J.jsonl"], here),
+            ("F", gpt, here),
+        ],
+    ]
+    forked.update(main_in_forks(lanes, 1, root))
+    for name, ranks in forked.items():
+        out[name] = record(ranks[0])
+        assert all(rank.returncode == 0 for rank in ranks[1:]), [rank.stderr for rank in ranks]
     # steps 1-2 are warmup (--warmup-steps 2): their learning rates do not depend on --steps
     out["G"] = two_nodes(*base, "--steps", "2", "--metrics", "G.jsonl", cwd=tmp)
     return out
@@ -275,7 +272,7 @@ def test_step_in_backward_trains_and_resumes_like_one_optimizer(runs: dict[str, 
     assert runs["I"]["fused_host_params"] == runs["J"]["fused_host_params"] == llama_tiny_parameters()
     assert sorted(stepped) == sorted(one) == [1, 2, 3, 4] and stepped == one, (stepped, one)
     resumed = losses(tmp / "K.jsonl")
-    assert runs["K"]["resumed_from"] == "ckK/step-0000002" and resumed == {s: stepped[s] for s in (3, 4)}
+    assert runs["K"]["resumed_from"] == "ckI/step-0000002" and resumed == {s: stepped[s] for s in (3, 4)}
     rows = [json.loads(line) for line in (tmp / "I.jsonl").read_text().splitlines()]
     assert all(row["grad_norm"] is None for row in rows)
 
@@ -366,23 +363,31 @@ BAD_ARGUMENTS: dict[str, tuple[list[str], str]] = {
 AS_PROCESSES = ("bad-number", "missing-config")
 
 
-def refuse_on_rank(rank: int, cases: list[tuple[str, list[str], int]], root: str) -> None:
-    """One of 2 ranks forked from tests/_dist.py's fork server (torch and fsdp2lite imported once, train.py once
-    per rank, not once per case): ``examples/train.py``'s ``main(ARGS)`` for each case in turn, as ``python
-    examples/train.py ARGS`` runs it on that rank: the case's own rendezvous in the launcher variables, CUDA
-    hidden and one thread (cpu_env), the case's own working directory, file descriptors 1 and 2 into the case's
-    files; the exit code main returns or exits with, or 1 and the traceback on stderr, as the interpreter
-    prints it, for an exception that escapes. Writes ``ROOT/CASE/rank{rank}.{out,err,code}``."""
+Case = tuple[str, list[str], str]  # a run's name, examples/train.py's arguments, its working directory
+
+
+def main_on_rank(index: int, lanes: list[list[Case]], world: int, ports: dict[str, int], root: str) -> None:
+    """One process forked from tests/_dist.py's fork server (torch, transformers, peft and fsdp2lite imported once;
+    train.py once per process, not once per run): ``examples/train.py``'s ``main(ARGS)`` for each case of its lane
+    in turn, as ``python examples/train.py ARGS`` runs it: world 2, rank ``index`` of the case's own rendezvous in
+    the launcher variables; world 1, no launcher variables (a one-process run); CUDA hidden and one thread
+    (cpu_env), the case's working directory, file descriptors 1 and 2 into the case's files; the exit code main
+    returns or exits with, or 1 and the traceback on stderr, as the interpreter prints it, for an exception that
+    escapes. Writes ``ROOT/CASE/rank{rank}.{out,err,code}``."""
     import traceback
 
     torch.set_num_threads(1)
     os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     train = example_train()
-    for name, argv, port in cases:
+    rank = index if world > 1 else 0
+    for name, argv, cwd in lanes[index]:
         where = Path(root) / name
-        os.chdir(where)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.chdir(cwd)
+        for variable in LAUNCHER_VARIABLES:  # a one-process run sets its own; none carries over to the next case
+            os.environ.pop(variable, None)
+        if world > 1:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[name]))
         with open(where / f"rank{rank}.out", "w") as out, open(where / f"rank{rank}.err", "w") as err:
             sys.stdout.flush(), sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
@@ -402,31 +407,57 @@ def refuse_on_rank(rank: int, cases: list[tuple[str, list[str], int]], root: str
     exit_rank_process()  # what a rank reports is in its files: no interpreter finalization ([Note: rank exit])
 
 
-@pytest.fixture(scope="module")
-def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[subprocess.CompletedProcess[str]]]:
-    """Every BAD_ARGUMENTS case on 2 ranks (refuse_on_rank), as each rank's (exit code, stdout, stderr)."""
+def main_in_forks(lanes: list[list[Case]], world: int, root: Path) -> dict[str, list[subprocess.CompletedProcess[str]]]:
+    """``main_on_rank`` in ``len(lanes)`` forked processes: world 2, the two processes run the same lane as ranks
+    0 and 1 of each case; world 1, each runs its own lane of one-process cases, side by side on the 2 cores.
+    Per case, each rank's (exit code, stdout, stderr)."""
     import torch.multiprocessing as mp
     from _dist import START_METHOD
 
+    names = [name for lane in lanes for name, _, _ in lane]
+    ports = {name: free_port() for name in names}
+    for name in names:
+        (root / name).mkdir(exist_ok=True)
+    args = (lanes, world, ports, str(root))
+    ranks = mp.start_processes(main_on_rank, args, nprocs=len(lanes), join=False, start_method=START_METHOD)
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the forked runs {names} did not finish in 300 s")
+    out = {}
+    for name in dict.fromkeys(names):
+        files = [
+            {kind: (root / name / f"rank{r}.{kind}").read_text() for kind in ("out", "err", "code")}
+            for r in range(world)
+        ]
+        out[name] = [subprocess.CompletedProcess(name, int(f["code"]), f["out"], f["err"]) for f in files]
+    return out
+
+
+def train_in_forks(runs: list[tuple[str, list[str]]], cwd: Path, world: int) -> dict[str, dict[str, Any]]:
+    """Each (name, arguments) run in turn on ``world`` ranks forked once (``main_in_forks``), in ``cwd``; every
+    rank exits 0 and rank 0's JSON record is returned per run (as ``record`` reads torchrun's output)."""
+    root = cwd / ".forked"
+    root.mkdir(exist_ok=True)
+    cases = [(name, argv, str(cwd)) for name, argv in runs]
+    out = {}
+    for name, ranks in main_in_forks([cases] * world, world, root).items():
+        assert all(rank.returncode == 0 for rank in ranks), [rank.stderr[-3000:] for rank in ranks]
+        out[name] = record(ranks[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[subprocess.CompletedProcess[str]]]:
+    """Every BAD_ARGUMENTS case on 2 ranks (main_on_rank), as each rank's (exit code, stdout, stderr)."""
     root = tmp_path_factory.mktemp("refusals")
     cases = []
     for name, (args, _) in BAD_ARGUMENTS.items():
         (root / name).mkdir()
-        cases.append((name, [*args, "--steps", "1"], free_port()))
-    ranks = mp.start_processes(refuse_on_rank, (cases, str(root)), nprocs=2, join=False, start_method=START_METHOD)
-    deadline = time.monotonic() + 300
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail("the ranks running the bad-argument cases did not finish in 300 s")
-    out = {}
-    for name, _, _ in cases:
-        files = [
-            {kind: (root / name / f"rank{r}.{kind}").read_text() for kind in ("out", "err", "code")} for r in (0, 1)
-        ]
-        out[name] = [subprocess.CompletedProcess(name, int(f["code"]), f["out"], f["err"]) for f in files]
-    return out
+        cases.append((name, [*args, "--steps", "1"], str(root / name)))
+    return main_in_forks([cases, cases], 2, root)
 
 
 def assert_stopped_cleanly(

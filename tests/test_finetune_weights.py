@@ -1,6 +1,8 @@
 """examples/train.py --finetune lora|qlora --weights DIR loads per rank (issue 30): the model is built on
 the meta device, sharded, and each rank reads only its own rows of the base from the safetensors files
-(qlora: quantizing them to NF4 with finetune.quantize_rows). Checked on 2 CPU ranks under torchrun with a
+(qlora: quantizing them to NF4 with finetune.quantize_rows). Checked on 2 CPU ranks (train.py's main() in
+ranks forked from the test fork server, test_example_train.train_in_forks: torchrun's own part is
+test_example_train's) with a
 saved tiny Llama (hidden 256: every rank's rows of each projection hold whole NF4 scale blocks) against
 the same job with every rank loading the whole base first (--load-whole-base): the logged losses equal
 bit for bit, and no rank read more than its share of the checkpoint's tensor bytes; a qlora run resumed
@@ -15,7 +17,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_example_train import losses, record, torchrun
+from test_example_train import losses, train_in_forks
 from test_finetune import needs_peft, needs_torchao
 
 STEPS = 4
@@ -60,17 +62,22 @@ def test_per_rank_load_trains_like_the_whole_base(tmp_path: Path, mode: str) -> 
     common = ["--weights", "model", "--finetune", mode, "--lora-rank", "4", "--seq", "32", "--batch", "2"]
     common += ["--steps", str(STEPS), "--warmup-steps", "1", "--log-every", "1"]
     saving = ["--checkpoint-dir", "ckpt", "--save-every", "2"] if mode == "qlora" else []
-    per_rank = record(torchrun(*common, *saving, "--metrics", "a.jsonl", cwd=tmp_path))
-    whole = record(torchrun(*common, "--load-whole-base", "--metrics", "b.jsonl", cwd=tmp_path))
+    runs = [
+        ("a", [*common, *saving, "--metrics", "a.jsonl"]),
+        ("b", [*common, "--load-whole-base", "--metrics", "b.jsonl"]),
+    ]
+    if mode == "qlora":  # the base comes back from --weights, adapters and optimizer from a's step-2 checkpoint
+        runs.append(("c", [*common, "--resume", str(tmp_path / "ckpt" / "step-0000002"), "--metrics", "c.jsonl"]))
+    records = train_in_forks(runs, tmp_path, 2)
+    per_rank, whole = records["a"], records["b"]
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert len(a) == STEPS and a == b, (a, b)
     assert whole["weights_bytes_read"] == [None, None]
     share = shares(tmp_path / "model", 2)
     assert per_rank["weights_bytes_read"] == share, (per_rank["weights_bytes_read"], share)
     assert max(share) <= sum(share) / 2  # each rank its half: no rank read the whole model
-    if mode == "qlora":  # the base comes back from --weights, adapters and optimizer from the checkpoint
-        step2 = tmp_path / "ckpt" / "step-0000002"
-        resumed = record(torchrun(*common, "--resume", str(step2), "--metrics", "c.jsonl", cwd=tmp_path))
+    if mode == "qlora":
+        resumed = records["c"]
         assert resumed["start_step"] == 2 and resumed["weights_bytes_read"] == share
         c = losses(tmp_path / "c.jsonl")
         assert [c[3], c[4]] == [a[3], a[4]], (a, c)
@@ -84,8 +91,8 @@ def test_qlora_loads_per_rank_at_3_ranks(tmp_path: Path) -> None:
     save_llama(tmp_path / "model")
     common = ["--weights", "model", "--finetune", "qlora", "--lora-rank", "4", "--seq", "32", "--batch", "2"]
     common += ["--steps", "2", "--warmup-steps", "1", "--log-every", "1"]
-    per_rank = record(torchrun(*common, "--metrics", "a.jsonl", cwd=tmp_path, nproc=3))
-    record(torchrun(*common, "--load-whole-base", "--metrics", "b.jsonl", cwd=tmp_path, nproc=3))
+    runs = [("a", [*common, "--metrics", "a.jsonl"]), ("b", [*common, "--load-whole-base", "--metrics", "b.jsonl"])]
+    per_rank = train_in_forks(runs, tmp_path, 3)["a"]
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert len(a) == 2 and a == b, (a, b)
     assert per_rank["weights_bytes_read"] == shares(tmp_path / "model", 3)
