@@ -68,7 +68,7 @@ class GroupChoices:
     def set_comm_policy(self, policy: CommPolicy) -> None:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
         a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
-        odd = [p.fqn for p in self.params if p.extension is not None or not p.orig_dtype.is_floating_point]
+        odd = [p.fqn for p in self.params if p.unit.gather_dtype is None or not p.orig_dtype.is_floating_point]
         if policy.all_gather is not None and (odd or one_dtype(self.params) is None):
             reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
             raise ValueError(

@@ -109,9 +109,7 @@ def choose_gather(params: tuple[FSDPParam, ...], ranks: Ranks, policy: Any, cust
 
 def one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
     """The dtype every parameter all-gathers in, or None when they differ ([Note: byte all-gather])."""
-    if any(param.extension is not None for param in params):
-        return None  # a hook's inputs are bytes of its own choosing
-    dtypes = {param.param_dtype for param in params}
+    dtypes = {param.unit.gather_dtype for param in params}  # None: a hook's bytes ([Note: gather units])
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -212,11 +210,11 @@ class Regather:
         self.params, self.sub, self.buffer, self.numels = params, sub, buffer, numels
         self.slots = slots  # rows of the regathered output: k chunks, or the shard group's byte slots
         self.as_bytes = buffer.dtype == torch.uint8
-        self.hooked = tuple(p for p in params if p.extension is not None)
+        self.rebuilding = tuple(p.unit for p in params if p.unit.rebuilds)
 
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
-        for param in self.hooked:
-            param.extension.reallocate()  # type: ignore[union-attr]  # its hook is not called again
+        for unit in self.rebuilding:
+            unit.reallocate()  # its hook is not called again
         return issue_all_gather([self.buffer], [self.buffer.numel()], self.sub, self.buffer.dtype, comm, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
@@ -282,15 +280,7 @@ def byte_sources(params: tuple[FSDPParam, ...]) -> tuple[list[torch.Tensor], lis
     """Each parameter's flat padded shard in its all-gather dtype, as bytes, and the byte counts:
     the all-gather input of a group whose parameters gather in several dtypes ([Note: byte all-gather]);
     a parameter with all-gather hooks contributes its hook's inputs ([Note: all-gather extension])."""
-    sources: list[torch.Tensor] = []
-    for param in params:
-        if param.extension is not None:
-            sources.extend(t.view(torch.uint8) for t in param.extension_inputs())
-            continue
-        flat = param.flat_shard
-        if flat.dtype != param.param_dtype:
-            flat = flat.to(param.param_dtype)  # mixed precision: cast first, the buffer holds bytes
-        sources.append(flat.view(torch.uint8))
+    sources = [source for param in params for source in param.unit.inputs()]  # [Note: gather units]
     return sources, [source.numel() for source in sources]
 
 
@@ -309,13 +299,9 @@ def copy_out_all_gather(
     ``as_bytes``: the output is uint8 and ``numels`` are bytes; each target is viewed as bytes too.
     """
     if as_bytes:
-        outputs = []
+        outputs: list[torch.Tensor] = []
         for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
-            if param.extension is not None:
-                outputs.extend(param.extension.output_views(group_size))
-            else:
-                numel = numels[len(outputs)] // param.param_dtype.itemsize
-                outputs.append(param.copy_out_view(group_size, numel).view(torch.uint8))
+            outputs.extend(param.unit.output_views(group_size, numels[len(outputs)]))
     else:
         outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
     torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)

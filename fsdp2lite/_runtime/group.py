@@ -79,7 +79,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self.name = type(modules[0]).__name__
         self.params = params
         self._copied_out_params = tuple(p for p in params if not p.layout.gathered_is_contiguous)
-        self._extension_params = tuple(p for p in params if p.extension is not None)
+        self._rebuilding_units = tuple(p.unit for p in params if p.unit.rebuilds)  # [Note: gather units]
         self.modules = modules
         self.mesh_info = mesh_info
         self.set_reshard_after_forward(reshard_after_forward)  # checked by the plan: [Note: one plan]
@@ -168,7 +168,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         ([Note: hooks looked up per all-gather])."""
         quantized = self.comm_policy.all_gather is not None
         if any([param.sync_extension(quantized) for param in self.params]):  # a list: every parameter looks
-            self._extension_params = tuple(p for p in self.params if p.extension is not None)
+            self._rebuilding_units = tuple(p.unit for p in self.params if p.unit.rebuilds)
             self.choose_gather()
 
     def wait_for_unshard(self) -> None:
@@ -183,8 +183,8 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         direct = pending.form.copy_out(output)  # the output is the parameter itself: [Note: copy-out by views]
         for param in self._copied_out_params:
             param.finish_copy_out()  # not a view of the gathered rows (another dim, aligned): [Note: padded shard]
-        for param in self._extension_params:
-            param.finish_extension()  # the subclass rebuilds its unsharded tensor: [Note: all-gather extension]
+        for unit in self._rebuilding_units:
+            unit.finish()  # the subclass rebuilds its unsharded tensor: [Note: gather units]
         kept = None
         if self.post_forward_group is not None and self._reshards_after_this_forward():
             kept = pending.form.kept_slots(output, self.post_forward_group)  # a byte group's slots

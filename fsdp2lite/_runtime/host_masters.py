@@ -41,7 +41,7 @@ class HostMasters(ShardStorage):
     def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
         device = param.mesh_info.device
         if param.padded_shard.device.type not in ("meta", device.type):  # host parameters on a device mesh
-            param._adopt_padded_shard(param.padded_shard.to(device))
+            param.unit.adopt(param.padded_shard.to(device))
         self.host_padded = _host_twin(param.padded_shard)
         return self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows), param.sharded_spec
 
@@ -63,7 +63,7 @@ class HostMasters(ShardStorage):
         shard = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
         if device.type != "meta" and param.layout.local_rows:
             shard.narrow(param.shard_dim, 0, param.layout.local_rows).copy_(local.detach())
-        param._adopt_padded_shard(shard)
+        param.unit.adopt(shard)
         self.host_padded = _host_twin(shard)
         param.local_view = self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows)
         return True

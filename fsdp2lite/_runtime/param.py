@@ -33,14 +33,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
-from .extension import (
-    AllGatherExtension,
-    carry_instance_hooks,
-    contiguous_stride,
-    has_extension,
-)
+from .extension import carry_instance_hooks, contiguous_stride
+from .gather_units import GatherUnit, gather_unit, sync_unit
 from .grads import GradientState
-from .hook_state import HookState
 from .identity import original_uid
 from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
@@ -71,12 +66,12 @@ class ShardStorage:
 
     def host_tensor(self, param: FSDPParam) -> torch.Tensor | None:
         """What the group's one host buffer holds of this parameter ([Note: one host buffer per group]), or None."""
-        offloaded = param.offload_to_cpu and param.extension is None and not self.pinned_alone
+        offloaded = param.unit.packs_on_host() and not self.pinned_alone
         return param.padded_shard if offloaded else None
 
     def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
         """``view`` (of the group's host buffer, a copy of ``host_tensor``) becomes that tensor's home."""
-        param._adopt_padded_shard(view)
+        param.unit.adopt(view)
 
     def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
         """Shape of the registered local tensor (and of its sharded gradient)."""
@@ -84,8 +79,7 @@ class ShardStorage:
 
     def grad_stride(self, param: FSDPParam) -> tuple[int, ...]:
         """Strides of this rank's sharded gradient, a view of the reduced output."""
-        hooked = param.extension is not None
-        return contiguous_stride(self.local_shape(param)) if hooked else param.local_view.stride()
+        return param.unit.grad_stride(self.local_shape(param))  # [Note: gather units]
 
     def reduced_numel(self, param: FSDPParam) -> int:
         """Elements of this parameter's slot in its group's reduced gradient."""
@@ -98,10 +92,7 @@ class ShardStorage:
     def renew(self, param: FSDPParam, local: torch.Tensor) -> bool:
         """A new local tensor (``to_empty``, ``module.to``, an assigning load) copied into a new padded shard
         that ``param.local_view`` views; True when the unsharded parameter must be made anew regardless."""
-        if param.extension is not None:
-            param._adopt_hooked_shard(param.extension.pad(local.detach(), param.layout))
-        else:
-            param._adopt_padded_shard(param._new_padded_shard(local.detach()))
+        param.unit.renew(local)  # [Note: gather units]
         return False
 
 
@@ -115,7 +106,7 @@ class ShardStorage:
 # ([Note: group storage] in seams.py).
 
 
-class FSDPParam(GradientState, HookState, UnshardedState):
+class FSDPParam(GradientState, UnshardedState):
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
@@ -143,13 +134,13 @@ class FSDPParam(GradientState, HookState, UnshardedState):
     offload_to_cpu: bool
     pin_memory: bool
     policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
-    extension: AllGatherExtension | None  # torch's all-gather extension hooks: [Note: all-gather extension]
+    unit: GatherUnit  # its part of the group's all-gather, plain or through hooks: [Note: gather units]
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     storage: ShardStorage  # where the shard lives and what is registered: [Note: shard storage]
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
     # the gradient methods: GradientState (grads.py); the unsharded storage and registrations: UnshardedState
-    # (unsharded.py); the all-gather extension hooks: HookState (hook_state.py)
+    # (unsharded.py); its shard and all-gather part: its GatherUnit (gather_units.py)
 
     def __init__(
         self,
@@ -183,10 +174,8 @@ class FSDPParam(GradientState, HookState, UnshardedState):
         if isinstance(param, DTensor):  # [Note: tensor parallel]
             self.tp_spec = param._spec  # type: ignore[attr-defined]
             data = param._local_tensor.detach()  # type: ignore[attr-defined]
-        self.extension = AllGatherExtension(data, fqn) if has_extension(data) else None
         self.mp_policy = mp_policy
-        if self.extension is not None:
-            self.extension.check_supported(shard_dim, isinstance(param, DTensor))
+        self.unit = gather_unit(self, data, isinstance(param, DTensor))  # where its hooks are found
         self._make_padded_shard(data)
         local, self.sharded_spec = self.storage.register(self)  # [Note: shard storage]
         sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=param.requires_grad)
@@ -201,17 +190,11 @@ class FSDPParam(GradientState, HookState, UnshardedState):
     def _make_padded_shard(self, data: torch.Tensor) -> None:
         """This rank's padded shard of ``data`` (the parameter, or its tp-local tensor) and the layout around it
         ([Note: padded shard] in layout.py): its layout, the DTensor spec of ZeRO-3's registered shard."""
-        d, info = self.shard_dim, self.mesh_info
         self.gather_shape = data.shape
-        align = 1 if self.extension is not None else self.policy.shard_align  # [Note: padded shard]
-        self.layout = ShardLayout(tuple(data.shape), d, info.shard_size, info.shard_rank, align)
-        mesh, placements = sharded_placements(info, d, self.tp_spec)
+        mesh, placements = sharded_placements(self.mesh_info, self.shard_dim, self.tp_spec)
         meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.orig_dtype)
         self.sharded_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-        if self.extension is not None:  # the subclass's own ops, so the shard stays one
-            self._adopt_hooked_shard(self.extension.shard(data, info, self.layout))
-        else:
-            self._adopt_padded_shard(self._new_padded_shard(self.layout.local_of(data)))
+        self.unit.make_shard(data)  # its layout and padded shard: [Note: gather units]
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         """The all-gather and reduce dtypes of a parameter of ``dtype`` under this parameter's policy."""
@@ -221,7 +204,7 @@ class FSDPParam(GradientState, HookState, UnshardedState):
         self.reduce_dtype = cast_dtype(probe, reduce) if reduce is not None else self.param_dtype
 
     # ---- construction helpers -------------------------------------------------------------
-    def _new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
+    def new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
         """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows.
 
         CPU offload: on the host; pinned when asked, but by its group's buffer for plain parameters (host_arena.py).
@@ -241,21 +224,9 @@ class FSDPParam(GradientState, HookState, UnshardedState):
         """Pinned by itself: only a shard outside its group's host buffer ([Note: one host buffer per group])."""
         return self.offload_to_cpu and self.pin_memory and device.type == "cpu" and self.storage.pinned_alone
 
-    def _adopt_padded_shard(self, padded: torch.Tensor) -> None:
-        """Make ``padded`` the shard, with the views the hot path reads made once here."""
-        self.padded_shard = padded
-        if self.extension is not None:  # gathered through its hooks, never as a flat shard
-            self.flat_shard = padded
-            self.local_view = padded[: self.layout.local_rows]
-            return
-        self.flat_shard = padded.view(-1)
-        self.local_view = padded.narrow(self.shard_dim, 0, self.layout.local_rows)
-
-    def _adopt_hooked_shard(self, padded: torch.Tensor) -> None:
-        """A hooked parameter's padded shard, on the host under CPU offload ([Note: offloaded hooked parameters])."""
-        if self.offload_to_cpu:
-            padded = AllGatherExtension.to_host(padded, self.pin_memory)
-        self._adopt_padded_shard(padded)
+    def sync_extension(self, quantized: bool) -> bool:
+        """Its all-gather hooks looked up again; True when its unit changed ([Note: gather units])."""
+        return sync_unit(self, quantized)
 
     def shard_full_tensor(self, full: torch.Tensor) -> DTensor:
         """This rank's piece of a full (unsharded) value, as a DTensor like the parameter: no communication,

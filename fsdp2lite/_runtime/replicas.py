@@ -93,7 +93,7 @@ class ReplicaPieces(ShardStorage):
             if param.padded_shard.device.type != "meta":
                 chunk.copy_(param.padded_shard)
             self.piece.local_of(chunk).copy_(local.detach())
-        param._adopt_padded_shard(chunk)
+        param.unit.adopt(chunk)
         param.local_view = self.piece.local_of(chunk)
         return True
 

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..mesh import MeshInfo
-from .extension import AllGatherExtension, contiguous_stride, ensure_allocated
+from .extension import contiguous_stride, ensure_allocated
+from .gather_units import GatherUnit
 from .layout import ShardLayout
 
 
@@ -56,7 +57,7 @@ class UnshardedState:
     all_gather_view: torch.Tensor | None
     param_dtype: torch.dtype
     offload_to_cpu: bool
-    extension: AllGatherExtension | None
+    unit: GatherUnit
 
     @property
     def requires_grad(self) -> bool:
@@ -153,8 +154,7 @@ class UnshardedState:
         self._set_on_modules(self.sharded_param)
         if keep:  # a resident group's storage stays for its next forward: [Note: resident groups]
             return
-        if self.extension is not None:
-            self.extension.free()  # [Note: all-gather extension]
+        self.unit.free()  # a hooked parameter's output buffers: [Note: gather units]
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
         if self.unsharded_local is not None and not self.layout.gathered_is_contiguous:
