@@ -27,30 +27,24 @@ FP32 = fl.MixedPrecisionPolicy(param_dtype=torch.float32)
 VOCAB = 96
 
 
+# the decoder shape Llama and Qwen2 share: 2 layers, grouped-query attention
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
 def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
 
 
 def qwen2() -> nn.Module:
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.Qwen2ForCausalLM(config)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER))
 
 
 def gpt2() -> nn.Module:

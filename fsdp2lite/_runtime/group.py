@@ -123,9 +123,10 @@ class FSDPParamGroup(GroupChoices, GroupStates):
             self._comm = Comm(self.mesh_info.device)
         return self._comm
 
-    @comm.setter
-    def comm(self, comm: Comm) -> None:
-        self._comm = comm
+    def join_root(self, name: str, comm: Comm, host: HostSide, meters: Meters) -> None:
+        """Lazy init: the group's path from the root, and the root's shared Comm, host engine and Meters (the
+        only writer of these after construction)."""
+        self.name, self._comm, self.host, self.meters = name, comm, host, meters
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"

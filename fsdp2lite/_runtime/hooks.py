@@ -169,10 +169,10 @@ class FSDPState:
             state.is_root = state is self
             state.root_context = context
             if state.group is not None:
-                state.group.name = names[id(state)]
-                state.init_group_for_root(state.group)
+                state.init_group_for_root(state.group, names[id(state)], context)
 
-    def init_group_for_root(self, group: FSDPParamGroup) -> None:
+    def init_group_for_root(self, group: FSDPParamGroup, name: str, context: RootContext) -> None:
+        group.join_root(name, context.comm, context.host, context.meters)  # type: ignore[arg-type]  # not None: the root has groups
         group.resolve_reshard_for_root(bool(self.is_root))  # reshard_after_forward=None: the root keeps
         group.reset_sharded_params()
 

@@ -116,8 +116,6 @@ class RootContext:
                 shared.comm, shared.host, shared.meters = Comm(groups[0].mesh_info.device), groups[0].host, Meters()
                 shared.host.measure_with(shared.meters)  # host steps traced by the root's recorder
             self.comm, self.host, self.meters = shared.comm, shared.host, shared.meters
-        for group in groups:
-            group.comm, group.host, group.meters = self.comm, self.host, self.meters  # type: ignore[assignment]
         self.forward_order = []
         self.order_recorded = False
         self.final_callback_queued = False
