@@ -8,9 +8,9 @@
 # a file's spawned ranks and cached measurements are made once; the longest files first, LONGEST_FIRST in
 # tests/conftest.py, not xdist's most-tests-first), and meanwhile .venv-oldest is made (from the start, beside
 # .venv's setup) and its part runs, its output held back and printed after the first run's. On 2 cores
-# (2026-11-29, from a clean clone, before the longest files went first and the two setups side by side) the parts
-# one after another, each timed alone, added up to about 22.5 minutes; side by side the command took 19m18s and
-# 20m50s in two runs, the cores 95% busy. FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
+# (2026-11-29, from a clean clone of c0978ee) the command took 13m20s, the cores busy throughout (20m50s that
+# morning, before the tests of examples/train.py forked their ranks from the test fork server).
+# FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
 # Every process computes on one thread (OMP_NUM_THREADS=1, as the spawned ranks already do): with several
 # pytest processes on 2 cores, an idle OpenMP thread spinning for work takes a core from a process that has it.
 set -euo pipefail
