@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ._precision import override_casts
 from ._runtime.extension import has_extension
+from ._runtime.gather import quantized_gather_problem
 from ._runtime.post_forward import is_rank_count, post_forward_dims_problem, post_forward_size_problem
 from ._summary import summarized
 from .host.nvme import nvme_path_problem
@@ -319,17 +320,16 @@ def _quantized_gather_problems(spec: GroupSpec) -> list[Problem]:
     comm = spec.settings.comm
     if comm is None or comm.all_gather is None or not spec.params:
         return []
-    odd = [p.fqn for p in spec.params if p.hooked or not p.local.is_floating_point()]
-    dtypes = {cast_dtype(p.local, p.mixed_precision.param_dtype) for p in spec.params}
-    if odd:
-        reason = f"these are not plain floating-point parameters: {', '.join(odd)}"
-    elif len(dtypes) > 1:
-        overridden = [p.fqn for p in spec.params if p.overridden]
-        moved = f"; precision overrides (mp_overrides / precision_overrides) move {', '.join(overridden[:4])}"
-        reason = "of several dtypes (" + ", ".join(sorted(_dtype_name(d) for d in dtypes)) + ")"
-        reason += moved if overridden else ""
-    else:
+    packed = [
+        (p.fqn, None if p.hooked else cast_dtype(p.local, p.mixed_precision.param_dtype), p.local.is_floating_point())
+        for p in spec.params
+    ]
+    reason = quantized_gather_problem(packed)
+    if reason is None:
         return []
+    overridden = [p.fqn for p in spec.params if p.overridden]
+    if overridden and reason.startswith("of several dtypes"):
+        reason += f"; precision overrides (mp_overrides / precision_overrides) move {', '.join(overridden[:4])}"
     return [
         Problem(
             spec.label,
@@ -337,10 +337,6 @@ def _quantized_gather_problems(spec: GroupSpec) -> list[Problem]:
             "give them a group of their own, or keep all_gather=None (communication.all_gather: null) for this group",
         )
     ]
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _post_forward_dims(spec: GroupSpec) -> list[Problem]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..mesh import MeshInfo
 from ..policies import CommPolicy
 from .comm import Ranks
-from .gather import GatherForm, choose_gather, one_dtype
+from .gather import GatherForm, choose_gather, quantized_gather_problem
 from .param import FSDPParam
 from .post_forward import PostForwardReshard, check_post_forward, is_rank_count
 from .reduce import ReduceForm, choose_reduce
@@ -49,11 +49,11 @@ class GroupChoices:
         if is_rank_count(value):
             check_post_forward(value, self.mesh_info.shard_size, self.params)
 
-    def set_reshard_after_forward(self, value: bool | int | None, is_root: bool = False) -> None:
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """Take a value checked by the caller (the plan, or ``check_reshard_after_forward``); None waits for
         lazy init (``resolve_reshard_for_root``). An int k makes the k-rank process groups."""
         self.post_forward_reshard = PostForwardReshard.of(value, self.mesh_info.shard_size)
-        self.reshard_after_forward = self.post_forward_reshard.frees(is_root)
+        self.reshard_after_forward = self.post_forward_reshard.frees(is_root=False)  # None: lazy init decides
         k = self.post_forward_reshard.ranks
         if k is None:
             self.post_forward_group = None
@@ -68,9 +68,9 @@ class GroupChoices:
     def set_comm_policy(self, policy: CommPolicy) -> None:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);
         a quantized all-gather needs one slot of plain floating-point parameters of one dtype."""
-        odd = [p.fqn for p in self.params if p.unit.gather_dtype is None or not p.orig_dtype.is_floating_point]
-        if policy.all_gather is not None and (odd or one_dtype(self.params) is None):
-            reason = f"these are not plain floating-point parameters: {', '.join(odd)}" if odd else "of several dtypes"
+        packed = [(p.fqn, p.unit.gather_dtype, p.orig_dtype.is_floating_point) for p in self.params]
+        reason = None if policy.all_gather is None else quantized_gather_problem(packed)
+        if reason is not None:
             raise ValueError(
                 f"CommPolicy(all_gather={policy.all_gather!r}) quantizes a group's parameters together, but {reason}; "
                 "give them a group of their own (or keep all_gather=None for this group)"

@@ -113,6 +113,17 @@ def one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def quantized_gather_problem(params: list[tuple[str, torch.dtype | None, bool]]) -> str | None:
+    """Why a quantized all-gather cannot pack these parameters ((name, all-gather dtype or None for a hook's
+    bytes, floating point)) into its one slot of plain floating-point values of one dtype, or None when it can.
+    The plan (``_plan.py``) and ``set_comm_policy`` both ask this ([Note: quantized collectives])."""
+    odd = [name for name, dtype, floating in params if dtype is None or not floating]
+    if odd:
+        return f"these are not plain floating-point parameters: {', '.join(odd)}"
+    dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype, _ in params})
+    return f"of several dtypes ({', '.join(dtypes)})" if len(dtypes) > 1 else None
+
+
 class PlainGather:
     """Parameters of one all-gather dtype: their flat shards, cast in the copy-in."""
 
