@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._stages import check_sharding
 from .module import FSDPModule, check_reshard_after_forward
 from .policies import CommPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingPolicy, from_torch_policy
 
@@ -95,3 +94,14 @@ def check_ignored(ignored_params: Any) -> set[int]:
         if not isinstance(p, nn.Parameter):
             raise TypeError(f"ignored_params must hold nn.Parameter objects, got a {type(p).__name__}")
     return {id(p) for p in ignored}
+
+
+def check_sharding(sharding: Any) -> ShardingPolicy | None:
+    """The policy, after its type; None: ZeRO-3, HSDP. What each ZeRO stage cannot hold is checked with the rest of
+    the plan (``_plan.py``, [Note: one plan]); where it puts the shards is chosen with the group
+    (``_runtime/storages.py``)."""
+    if sharding is None:
+        return None
+    if not isinstance(sharding, ShardingPolicy):
+        raise TypeError(f"sharding must be a fsdp2lite.ShardingPolicy or None, got {type(sharding).__name__}")
+    return sharding

@@ -39,10 +39,12 @@ from ._runtime.identity import sharded_param_ids
 from ._runtime.module_casts import OverridePatterns, install_casts
 from ._runtime.param import FSDPParam
 from ._runtime.param_policy import ParamPlace, ParamPolicy
+from ._runtime.seams import GroupContext
+from ._runtime.storages import param_storage
 from ._snapshot import ModuleSnapshot, all_modules
-from ._stages import apply_sharding, param_storage
 from .forward_pass import register_fsdp_forward_method
 from .host import HostEngine
+from .host.nvme import make_nvme_state
 from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle
 from .policies import (
@@ -189,13 +191,14 @@ def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
 
 
 def _make_group(params: tuple[FSDPParam, ...], spec: GroupSpec, mesh_info: MeshInfo) -> FSDPParamGroup | None:
-    """The call's group (None when it owns no parameter), with the spec's sharding stages (``_stages``)."""
+    """The call's group (None when it owns no parameter), made from its checked spec (its storages and forms
+    chosen there, once), with a host engine of its own until the root's lazy init hands it the root's."""
     _accept_full_tensors_on_load(params)
     if not params:
         return None
-    settings = spec.settings
-    group = FSDPParamGroup(params, spec.modules, mesh_info, settings.reshard_as_built, settings.comm, host=HostEngine())
-    apply_sharding(group, settings.sharding)
+    group = FSDPParamGroup(spec, params, GroupContext(mesh_info, HostEngine()))
+    if params[0].policy.nvme_path is not None:
+        make_nvme_state(group)  # [Note: optimizer state on NVMe]
     return group
 
 
@@ -249,7 +252,7 @@ def _param_specs(
 
 def _make_params(spec: GroupSpec, info: MeshInfo) -> tuple[FSDPParam, ...]:
     """The group's parameters, each under its policy (the group's, or an override's dtypes) and MixedPrecisionPolicy
-    (for the all-gather hooks), with the storage the spec's sharding and the policy ask for (``_stages``)."""
+    (for the all-gather hooks), with the storage the spec's sharding and the policy ask for (``storages.py``)."""
     base = _param_policy(spec.settings.mixed_precision, spec.settings.offload, info, spec.settings.sharding)
     made = []
     for p in spec.params:

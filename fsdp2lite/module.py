@@ -4,6 +4,7 @@ subclass), with the controls users call (``unshard``, ``reshard``, ``set_*``), `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -115,8 +116,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn the gradient reduce-scatter off (grads accumulate unsharded) or back on."""
         check_bool("requires_gradient_sync", requires_gradient_sync)
-        for group in self._groups(recurse):
-            group.requires_gradient_sync = requires_gradient_sync
+        self._set_controls(recurse, requires_gradient_sync=requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         """Free (True), keep (False) or shrink to k-rank shards (int k) the unsharded parameters
@@ -142,18 +142,19 @@ class FSDPModule(_TorchFSDPModule):
         reshard before ``optimizer.step()``: the step updates the shards, not the unsharded copies.
         """
         check_bool("reshard_after_backward", reshard_after_backward)
-        for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+        self._set_controls(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups as soon as this module's group is unsharded in forward
         (replaces the recorded-order prefetch for this module)."""
-        self._own_group("set_modules_to_forward_prefetch").forward_prefetch = _prefetch_groups(modules)
+        group = self._own_group("set_modules_to_forward_prefetch")
+        group.set_prefetch(_prefetch_groups(modules), group.backward_prefetch)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups as soon as this module's group is unsharded in backward
         (replaces the reverse-order prefetch for this module)."""
-        self._own_group("set_modules_to_backward_prefetch").backward_prefetch = _prefetch_groups(modules)
+        group = self._own_group("set_modules_to_backward_prefetch")
+        group.set_prefetch(group.forward_prefetch, _prefetch_groups(modules))
 
     def set_forward_prefetch_depth(self, depth: int) -> None:
         """On the root: how many groups forward all-gathers ahead in the recorded order (default 1 on
@@ -194,6 +195,12 @@ class FSDPModule(_TorchFSDPModule):
         else:
             state.step_settings[name] = value
 
+    def _set_controls(self, recurse: bool, **changes: Any) -> None:
+        """Set per-step switches (checked by the caller) on this module's group, and its descendants' when
+        ``recurse`` (``GroupControls``, the group's one record of them)."""
+        for group in self._groups(recurse):
+            group.set_controls(dataclasses.replace(group.controls, **changes))
+
     def _own_group(self, method: str) -> FSDPParamGroup:
         group = self._fsdp_state.group
         if group is None:
@@ -214,8 +221,7 @@ class FSDPModule(_TorchFSDPModule):
         backward needs no parameter values (an embedding: its weight gradient needs only the indices).
         Its gradients are still reduced. Wrong for a group that does need them (e.g. a Linear)."""
         check_bool("unshard_in_backward", unshard_in_backward)
-        for group in self._groups(recurse=False):
-            group.unshard_in_backward = unshard_in_backward
+        self._set_controls(False, unshard_in_backward=unshard_in_backward)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
@@ -240,8 +246,7 @@ class FSDPModule(_TorchFSDPModule):
                     "set_all_reduce_hook(stream=...) cannot be set with HSDP: the hook runs after the replica "
                     "all-reduce, on its stream"
                 )
-        group.all_reduce_hook = hook
-        group.all_reduce_hook_stream = stream
+        group.set_controls(dataclasses.replace(group.controls, all_reduce_hook=hook, all_reduce_hook_stream=stream))
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """CUDA: the next root pre-forward's all-gathers wait on ``event`` (recorded after
@@ -268,8 +273,7 @@ class FSDPModule(_TorchFSDPModule):
         backward on every rank: its reduce-scatter is issued when its backward ends, in the same order
         everywhere."""
         check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self._set_controls(recurse, reduce_scatter_unused_params=reduce_scatter_unused_params)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the shard group size (the average)."""
@@ -277,8 +281,7 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"gradient divide factor must be a number, got {factor!r} ({type(factor).__name__})")
         if not 0 < factor < math.inf:
             raise ValueError(f"gradient divide factor must be a positive, finite number, got {factor!r}")
-        for group in self._groups(recurse=False):
-            group.gradient_divide_factor = float(factor)
+        self._set_controls(False, gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """torch's earlier name for ``set_gradient_divide_factor``."""
@@ -298,8 +301,7 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers}")
-        for group in self._groups(recurse):
-            group.reduce_scatter_max_input_buffers = max_input_buffers
+        self._set_controls(recurse, reduce_scatter_max_input_buffers=max_input_buffers)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Run this module's all-gather through ``comm``, torch's ``AllGather`` protocol:
@@ -445,7 +447,7 @@ def _check_state_dict_fits(module: nn.Module, state_dict: Any, strict: bool) -> 
         )
 
 
-def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:
+def _prefetch_groups(modules: Any) -> tuple[FSDPParamGroup, ...]:
     if not isinstance(modules, list | tuple):
         raise TypeError(f"expected a list of FSDPModules, got {type(modules).__name__}")
     groups = []
@@ -455,7 +457,7 @@ def _prefetch_groups(modules: Any) -> list[FSDPParamGroup]:
         if module._fsdp_state.group is None:
             raise ValueError(f"{type(module).__name__} owns no parameters: nothing to prefetch")
         groups.append(module._fsdp_state.group)
-    return groups
+    return tuple(groups)
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -248,7 +248,10 @@ def check_placement_and_group_flags(rank: int, ws: int) -> None:
     )
     model = fl.apply_config(tiny_gpt(), config)
     flags = {
-        name or "<root>": (m._fsdp_state.group.reduce_scatter_unused_params, m._fsdp_state.group.unshard_in_backward)
+        name or "<root>": (
+            m._fsdp_state.group.controls.reduce_scatter_unused_params,
+            m._fsdp_state.group.controls.unshard_in_backward,
+        )
         for name, m in model.named_modules()
         if isinstance(m, fl.FSDPModule)
     }

@@ -302,7 +302,9 @@ def _train_unused_params(rank: int, against_torch: bool) -> None:
         twin.set_reduce_scatter_unused_params(True)
     shard_all(model)
     model.set_reduce_scatter_unused_params(True)
-    assert all(g.reduce_scatter_unused_params for g in (model._fsdp_state.group, model.blocks[0]._fsdp_state.group))
+    assert all(
+        g.controls.reduce_scatter_unused_params for g in (model._fsdp_state.group, model.blocks[0]._fsdp_state.group)
+    )
     nets = [model, ddp] if twin is None else [model, ddp, twin]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in nets]
     for step, route in enumerate(routes):

@@ -7,24 +7,24 @@ after its backward (plus, for HSDP, one all-reduce across replicas). It owns the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn as nn
 
-from ..mesh import MeshInfo
 from ..policies import CommPolicy, reduce_dtype_problem_by_policy
 from .choices import GroupChoices
 from .comm import Comm
+from .controls import GroupControls
 from .gather import GatherForm, PendingUnshard, Regather
 from .gradients import accumulate_sharded_grads, run_all_reduce_hook, take_unsharded_grads
 from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
 from .param import FSDPParam
 from .reduce import ReduceScatterResult
-from .seams import GroupStorage, HostSide
+from .seams import GroupContext, GroupStorage, HostSide, PlannedGroup
 from .states import GroupStates, ShardedState, TrainingState
+from .storages import group_storages
 from .trace import Meters
 
 
@@ -34,13 +34,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
 
     name: str  # module path from the root ("" for the root), set at lazy init
     modules: tuple[nn.Module, ...]
-    reshard_after_backward: bool
-    requires_gradient_sync: bool
-    gradient_divide_factor: float | None  # None: the data-parallel size (an average)
-    unshard_in_backward: bool  # False: backward never all-gathers this group (its backward needs no values)
-    reduce_scatter_unused_params: bool  # reduce zeros for parameters that got no gradient this backward
-    all_reduce_hook: Callable[[torch.Tensor], None] | None  # called on the reduced flat gradient
-    all_reduce_hook_stream: torch.cuda.Stream | None  # CUDA: where the hook runs
+    controls: GroupControls  # the public setters' per-step switches (controls.py); replaced by set_controls
     sharded_state: ShardedState
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
@@ -53,9 +47,8 @@ class FSDPParamGroup(GroupChoices, GroupStates):
     _comm: Comm | None  # streams, events, work handles; the root's, shared, after lazy init
     meters: Meters  # trace recorder and wire counts; the root's, shared, after lazy init
     host: HostSide  # the host engine ([Note: the host engine] in seams.py); the root's, shared, after lazy init
-    forward_prefetch: list[FSDPParamGroup] | None  # explicit targets; None: the recorded order
-    backward_prefetch: list[FSDPParamGroup] | None
-    reduce_scatter_max_input_buffers: int  # reduce-scatter inputs alive at once when overlapping (>= 1)
+    forward_prefetch: tuple[FSDPParamGroup, ...] | None  # explicit targets; None: the recorded order
+    backward_prefetch: tuple[FSDPParamGroup, ...] | None
     storages: tuple[GroupStorage, ...]  # where shards live beyond ZeRO-3's: [Note: group storage]
     keeps_unsharded: bool  # one of them keeps the unsharded storage across reshards (ZeRO-1/2)
 
@@ -66,31 +59,37 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         named = {param.fqn: param.sharded_param for param in self.params}
         return reduce_dtype_problem_by_policy(named, {param.fqn: param.policy for param in self.params})
 
-    def __init__(
-        self,
-        params: tuple[FSDPParam, ...],
-        modules: tuple[nn.Module, ...],
-        mesh_info: MeshInfo,
-        reshard_after_forward: bool | int | None,
-        comm_policy: CommPolicy | None = None,
-        *,
-        host: HostSide,
-    ) -> None:
-        self.name = type(modules[0]).__name__
+    def __init__(self, spec: PlannedGroup, params: tuple[FSDPParam, ...], context: GroupContext) -> None:
+        """The group of a planned, checked ``spec`` ([Note: one plan]) over its built ``params``: its forms,
+        storages and replica step are chosen here, from the spec, once; lazy init adds only the root's shared
+        context (``join_root``), and every later change goes through a named setter."""
+        settings = spec.settings
+        self.name = type(spec.modules[0]).__name__
         self.params = params
         self._copied_out_params = tuple(p for p in params if not p.layout.gathered_is_contiguous)
         self._rebuilding_units = tuple(p.unit for p in params if p.unit.rebuilds)  # [Note: gather units]
-        self.modules = modules
-        self.mesh_info = mesh_info
-        self.set_reshard_after_forward(reshard_after_forward)  # checked by the plan: [Note: one plan]
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
+        self.modules = spec.modules
+        self.mesh_info = context.mesh_info
+        self.host = context.host
+        self.meters = Meters()
+        self._comm = None
+        self.controls = GroupControls()
+        self.forward_prefetch = self.backward_prefetch = None
+        self._start_idle()
+        self.set_reshard_after_forward(settings.reshard_as_built)  # checked by the plan: [Note: one plan]
         self.requires_all_reduce = True
-        self.gradient_divide_factor = None
-        self.unshard_in_backward = True
-        self.reduce_scatter_unused_params = False
-        self.all_reduce_hook = None
-        self.all_reduce_hook_stream = None
+        self.reduce_scatter_group = None
+        self.custom_all_gather = self.custom_reduce_scatter = None
+        self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
+        # after the packing, which writes the shards: the storages' watches start from the packed versions
+        self.storages, self.replicas = group_storages(self, settings.sharding)  # [Note: group storage]
+        self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
+        self.set_comm_policy(settings.comm or CommPolicy())
+        self.choose_replica_step()
+        register_group(self)  # its sharded parameters are fsdp2lite's: identity.py
+
+    def _start_idle(self) -> None:
+        """The per-step state of a group before its first use: sharded, idle, nothing in flight."""
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
@@ -99,22 +98,6 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self.regather = self.post_forward_kept = None
         self.reduce_scatter_result = None
         self.offload_event = None
-        self._comm = None
-        self.meters = Meters()
-        self.host = host
-        self.forward_prefetch = None
-        self.backward_prefetch = None
-        self.reduce_scatter_max_input_buffers = 1
-        self.reduce_scatter_group = None
-        self.custom_all_gather = None
-        self.custom_reduce_scatter = None
-        self.replicas = None  # HFSDP: [Note: replica-sharded groups]
-        self.storages = ()  # [Note: group storage]
-        self.keeps_unsharded = False
-        self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
-        self.set_comm_policy(comm_policy or CommPolicy())
-        self.choose_replica_step()
-        register_group(self)  # its sharded parameters are fsdp2lite's: identity.py
 
     @property
     def comm(self) -> Comm:
@@ -128,17 +111,22 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         only writer of these after construction)."""
         self.name, self._comm, self.host, self.meters = name, comm, host, meters
 
+    def set_controls(self, controls: GroupControls) -> None:
+        """The public setters' per-step switches (``FSDPModule.set_requires_gradient_sync`` and the like), checked
+        by them, replaced whole."""
+        self.controls = controls
+
+    def set_prefetch(
+        self, forward: tuple[FSDPParamGroup, ...] | None, backward: tuple[FSDPParamGroup, ...] | None
+    ) -> None:
+        """The groups to all-gather as soon as this one is unsharded in forward and in backward
+        (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``); None: the recorded order."""
+        self.forward_prefetch, self.backward_prefetch = forward, backward
+
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
 
     # ---- unshard / reshard ----------------------------------------------------------------
-    def add_storage(self, storage: GroupStorage) -> None:
-        """Give the group one more place its shards live ([Note: group storage]), at construction (``_stages``)."""
-        # those that keep unsharded storage last: it is judged fresh or not after every refresh has run (an
-        # HFSDP replica all-gather into the chunks moves the versions ZeRO-1/2's freshness compares)
-        self.storages = tuple(sorted((*self.storages, storage), key=lambda s: s.keeps_unsharded))
-        self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
-
     def reset_sharded_params(self) -> None:
         renewed = any([param.reset_sharded_param() for param in self.params])  # a list: every parameter looks
         self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
@@ -240,7 +228,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
     def pre_backward(self) -> None:
         self.training_state = TrainingState.PRE_BACKWARD
         self.needs_post_backward = True
-        if self.unshard_in_backward:  # set_unshard_in_backward(False): the backward needs no values
+        if self.controls.unshard_in_backward:  # set_unshard_in_backward(False): the backward needs no values
             self.unshard()
             self.wait_for_unshard()
 
@@ -248,14 +236,15 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         """Reshard, then reduce-scatter the unsharded grads (unless gradient sync is off)."""
         self.training_state = TrainingState.POST_BACKWARD
         self.needs_post_backward = False
-        if self.reshard_after_backward:
+        if self.controls.reshard_after_backward:
             self.reshard()
-        if not self.requires_gradient_sync:
+        if not self.controls.requires_gradient_sync:
             for param in self.params:
                 param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
-        params, grads = take_unsharded_grads(self.params, self.reduce_scatter_unused_params)  # the only references
+        unused = self.controls.reduce_scatter_unused_params
+        params, grads = take_unsharded_grads(self.params, unused)  # the only references
         if not params:
             return
         self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, self.comm, self.meters)
@@ -272,11 +261,12 @@ class FSDPParamGroup(GroupChoices, GroupStates):
             output = self.replica_step.reduce(finished, result.params, self.comm, self.meters)
             if output is None:
                 return  # kept for a later step across replicas
-            factor = self.gradient_divide_factor or float(self.mesh_info.data_parallel_size)
+            controls = self.controls
+            factor = controls.gradient_divide_factor or float(self.mesh_info.data_parallel_size)
             if factor != 1.0:
                 output.div_(factor)
-            if self.all_reduce_hook is not None:  # sees the gradient as it will be stored (averaged), as torch's
-                run_all_reduce_hook(self.all_reduce_hook, self.all_reduce_hook_stream, output)
+            if controls.all_reduce_hook is not None:  # sees the gradient as it will be stored (averaged), as torch's
+                run_all_reduce_hook(controls.all_reduce_hook, controls.all_reduce_hook_stream, output)
             event = accumulate_sharded_grads(output, result.params, self.comm, self.host, self.name or "<root>")
         if event is not None:
             self.offload_event = event
@@ -286,7 +276,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         may still be in flight."""
         if self.needs_post_backward:
             self.post_backward()
-        if self.reshard_after_backward:
+        if self.controls.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
 

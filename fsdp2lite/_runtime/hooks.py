@@ -292,7 +292,7 @@ class FSDPState:
             return
         context = self.root_context
         if context is not None:
-            context.finish_pending_reduce_scatter(keep=group.reduce_scatter_max_input_buffers - 1)
+            context.finish_pending_reduce_scatter(keep=group.controls.reduce_scatter_max_input_buffers - 1)
         group.post_backward()
         if context is not None:
             if context.late_backward_prefetch:

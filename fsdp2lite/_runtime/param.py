@@ -55,7 +55,7 @@ class ShardStorage:
     This base is ZeRO-3's, CPU offload's host shards included: the registered DTensor's local tensor is this
     rank's rows of the padded shard, the one the all-gather reads. Strategies (not parameter classes) change
     that: HFSDP's replica pieces (``replicas.ReplicaPieces``), host masters (``host_masters.HostMasters``).
-    One object per parameter, chosen at ``fully_shard`` (``_stages.param_storage``)."""
+    One object per parameter, chosen at ``fully_shard`` (``storages.param_storage``)."""
 
     grads_on_host = False  # reduced gradients go to the host without CPU offload (host masters)
     pinned_alone = False  # an offloaded shard pinned by itself, not in its group's host buffer (HFSDP chunks)

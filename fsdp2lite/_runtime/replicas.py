@@ -99,7 +99,7 @@ class ReplicaPieces(ShardStorage):
 
 
 def pieces(param: FSDPParam) -> ReplicaPieces:
-    """The replica pieces of a parameter of an HFSDP group (its storage, made by ``_stages``)."""
+    """The replica pieces of a parameter of an HFSDP group (its storage, chosen by ``storages.param_storage``)."""
     storage = param.storage
     if not isinstance(storage, ReplicaPieces):
         raise RuntimeError(f"{param.fqn}: in a replica-sharded group without replica pieces")

@@ -160,16 +160,16 @@ class RootContext:
         if targets is None:
             targets = self._neighbours(group, 1, step=-1)
         for target in targets:
-            if target.training_state is not TrainingState.POST_BACKWARD and target.unshard_in_backward:
+            if target.training_state is not TrainingState.POST_BACKWARD and target.controls.unshard_in_backward:
                 if target.backward_follows:  # a group whose output needed no gradient has no backward
                     target.unshard()
 
-    def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> list[FSDPParamGroup]:
+    def _neighbours(self, group: FSDPParamGroup, depth: int, step: int) -> tuple[FSDPParamGroup, ...]:
         if not self.order_recorded or group not in self.forward_order or depth < 1:
-            return []
+            return ()
         index = self.forward_order.index(group)
         positions = (index + step * k for k in range(1, depth + 1))
-        return [self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order)]
+        return tuple(self.forward_order[i] for i in positions if 0 <= i < len(self.forward_order))
 
     def finish_pending_reduce_scatter(self, keep: int = 0) -> None:
         """Before a group issues its reduce-scatter: finish the oldest still in flight (they overlapped

@@ -7,8 +7,9 @@ runtime in turn sees the host engine, which lives outside it, through ``HostSide
 
 [Note: group storage]
 Where a group's shards live is decided at ``fully_shard`` and never re-tested per call: ZeRO-3 is the
-group with no storages; each other stage adds one ``GroupStorage`` (``_stages.apply_sharding``), which
-the group calls at four fixed points and which never writes the group's state:
+group with no storages; each other stage adds one ``GroupStorage`` (chosen by ``storages.group_storages`` in the
+group's constructor, from its plan), which the group calls at four fixed points and which never writes the
+group's state:
 
     before_gather   unshard, from the sharded state: refresh the shards (HFSDP's replica all-gather, host
                     masters' copy to the device); ZeRO-1/2: True when the kept storage is current (no all-gather)
@@ -43,11 +44,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn as nn
 
 from ..mesh import MeshInfo
+from ..policies import CommPolicy, ShardingPolicy
 from .comm import Comm
 from .param import FSDPParam
 from .trace import Meters
@@ -126,3 +130,36 @@ class HostSide(Protocol):
         """Record host steps and the waits for them with ``meters``' trace recorder, whenever it has one (the root's
         Meters, handed over once at lazy init)."""
         ...
+
+
+class PlannedSettings(Protocol):
+    """The runtime's view of a planned group's settings (``_plan.GroupSettings``, checked by the plan)."""
+
+    @property
+    def comm(self) -> CommPolicy | None: ...
+
+    @property
+    def sharding(self) -> ShardingPolicy | None: ...
+
+    @property
+    def reshard_as_built(self) -> bool | int | None: ...
+
+
+class PlannedGroup(Protocol):
+    """The runtime's view of a planned, checked group (``_plan.GroupSpec``): what ``FSDPParamGroup`` is made from
+    ([Note: one plan]). The runtime never imports the plan; ``GroupSpec`` satisfies this structurally."""
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]: ...
+
+    @property
+    def settings(self) -> PlannedSettings: ...
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """What a new group is given beside its plan and parameters: its mesh, and a host engine of its own until the
+    root's lazy init hands it the root's ([Note: the host engine])."""
+
+    mesh_info: MeshInfo
+    host: HostSide
