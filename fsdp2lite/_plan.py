@@ -27,7 +27,12 @@ from torch.distributed.tensor import DTensor
 from ._precision import override_casts
 from ._runtime.extension import has_extension
 from ._runtime.gather import quantized_gather_problem
-from ._runtime.post_forward import is_rank_count, post_forward_dims_problem, post_forward_size_problem
+from ._runtime.post_forward import (
+    is_rank_count,
+    post_forward_align_problem,
+    post_forward_dims_problem,
+    post_forward_size_problem,
+)
 from ._summary import summarized
 from .host.nvme import nvme_path_problem
 from .mesh import MeshInfo, check_tp_mesh
@@ -403,15 +408,9 @@ def mesh_problems(spec: GroupSpec) -> list[Problem]:
         if problem is not None:
             problems.append(Problem(spec.label, *problem))
         align = 1 if spec.settings.sharding is None else spec.settings.sharding.align
-        if problem is None and 1 < value < mesh.shard_size and align > 1:
-            problems.append(
-                Problem(
-                    spec.label,
-                    f"reshard_after_forward={value} keeps torch.chunk's k-rank chunks, but "
-                    f"ShardingPolicy(align={align}) pads this group's shards",
-                    "use True or False for this group, or align=1",
-                )
-            )
+        if problem is None and 1 < value < mesh.shard_size:
+            problem = post_forward_align_problem(value, align)
+            problems += [Problem(spec.label, *problem)] if problem is not None else []
     if spec.settings.sharding is not None and spec.settings.sharding.replica_sharded and mesh.replicate_size == 1:
         problems.append(
             Problem(

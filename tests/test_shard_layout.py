@@ -98,11 +98,11 @@ def test_estimates_read_the_layout() -> None:
 
 
 def test_post_forward_groups_refuse_aligned_shards() -> None:
-    """A k-rank post-forward reshard keeps unaligned chunks: it refuses aligned shards, naming them."""
+    """A k-rank post-forward reshard keeps unaligned chunks: the setter refuses aligned shards in the plan's words."""
     aligned = SimpleNamespace(fqn="w", shard_dim=0, layout=ShardLayout((8, 2), 0, 4, 0, align=4))
     plain = SimpleNamespace(fqn="b", shard_dim=0, layout=ShardLayout((8,), 0, 4, 0))
     check_post_forward(2, 4, (plain,))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="reshard_after_forward=2 keeps unaligned chunks.*: w"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 keeps torch.chunk's k-rank chunks, but .*align=4"):
         check_post_forward(2, 4, (plain, aligned))  # type: ignore[arg-type]
 
 

@@ -71,16 +71,25 @@ def post_forward_dims_problem(value: int, dims: list[tuple[str, int]]) -> tuple[
     )
 
 
+def post_forward_align_problem(value: int, align: int) -> tuple[str, str] | None:
+    """Resharding to k ranks after forward keeps torch.chunk's k-rank chunks, which block-aligned shards
+    (``ShardingPolicy(align=N)``, [Note: padded shard] in layout.py) are not: why it cannot, or None. The plan and
+    ``set_reshard_after_forward`` ask this."""
+    if align <= 1:
+        return None
+    return (
+        f"reshard_after_forward={value} keeps torch.chunk's k-rank chunks, but ShardingPolicy(align={align}) pads "
+        "this group's shards",
+        "use True or False for this group, or align=1",
+    )
+
+
 def check_post_forward(value: int, shard_size: int, params: tuple[FSDPParam, ...]) -> None:
     """``set_reshard_after_forward(k)`` on a built group: ValueError when k cannot be (the plan's checks)."""
     problem = post_forward_size_problem(value, shard_size)
     if problem is None and 1 < value < shard_size:
         problem = post_forward_dims_problem(value, [(p.fqn, p.shard_dim) for p in params])
-    aligned = [p.fqn for p in params if p.layout.align > 1]
-    if problem is None and 1 < value < shard_size and aligned:  # the k-rank chunks are unaligned ones
-        problem = (
-            f"reshard_after_forward={value} keeps unaligned chunks, but these shards are aligned: {', '.join(aligned)}",
-            "use True or False for this group",
-        )
+    if problem is None and 1 < value < shard_size:
+        problem = post_forward_align_problem(value, max(p.layout.align for p in params))
     if problem is not None:
         raise ValueError(f"{problem[0]}; {problem[1]}")
