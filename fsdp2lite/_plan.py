@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch.nn as nn
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ._precision import override_casts
 from ._runtime.extension import has_extension
 from ._runtime.gather import quantized_gather_problem
+from ._runtime.module_casts import ModuleCast
 from ._runtime.post_forward import (
     is_rank_count,
     post_forward_align_problem,
@@ -218,6 +220,12 @@ class GroupSpec:
         """The same group on ``mesh`` (a policy file's plan once the world size is known)."""
         return replace(self, mesh=mesh)
 
+    @cached_property
+    def casts(self) -> tuple[list[ModuleCast], list[tuple[str, str, str]]]:
+        """The casts at the edges of the modules holding overridden parameters and their conflicts, worked out once
+        for the plan's check and the build ([Note: override casts])."""
+        return override_casts(self.params, self.settings.mixed_precision)
+
 
 def group_problems(spec: GroupSpec) -> list[Problem]:
     """Every problem of ``spec``, none raised: the parameters, the policies, and (when known) the mesh."""
@@ -313,8 +321,7 @@ def _policy_problems(spec: GroupSpec) -> list[Problem]:
                 "or give them a group of their own",
             )
         )
-    casts = override_casts(spec.params, spec.settings.mixed_precision)[1]  # [Note: override casts]
-    problems += [Problem(*problem) for problem in casts]
+    problems += [Problem(*problem) for problem in spec.casts[1]]  # [Note: override casts]
     problems += _post_forward_dims(spec) + _storage_problems(spec) + _quantized_gather_problems(spec)
     return problems
 

@@ -32,7 +32,7 @@ from ._plan import (
     owned_params,
     walk_modules,
 )
-from ._precision import OverrideFn, override_casts, resolve_overrides
+from ._precision import OverrideFn, resolve_overrides
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.identity import sharded_param_ids
@@ -125,24 +125,31 @@ def fully_shard(
     return module
 
 
-def shard_spec(
-    spec: GroupSpec, mesh: DeviceMesh | None, patterns: OverridePatterns | None = None, *, checked: bool = False
-) -> None:
+def shard_spec(spec: GroupSpec, mesh: DeviceMesh | None, patterns: OverridePatterns | None = None) -> None:
     """Check a planned group on its mesh, every problem at once, then build it, all or nothing: ``fully_shard``'s
-    second half, and what ``apply_config`` calls with each group its policy file's plan made (planned once;
-    ``checked``: its problems were already reported, with and without the mesh, so they are not sought again)."""
+    second half."""
     owned = [OwnedParam(p.fqn, p.param, list(p.places)) for p in spec.params]
-    if checked:
-        mesh_info = _mesh_info(mesh, owned, spec.settings.offloaded is not None)
-        spec = spec.on_mesh(MeshShape.of(mesh_info))
-    else:
-        spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
+    spec, mesh_info = _checked_on_mesh(spec, mesh, owned)  # check: every problem at once, before any change
+    _build(spec, mesh_info, patterns)
+
+
+def build_spec(spec: GroupSpec, mesh: DeviceMesh | None) -> None:
+    """Build a group whose problems its planner already reported, with and without the mesh (``apply_config``
+    with each group of its policy file's plan: planned and checked once, [Note: one plan]), all or nothing."""
+    owned = [OwnedParam(p.fqn, p.param, list(p.places)) for p in spec.params]
+    mesh_info = _mesh_info(mesh, owned, spec.settings.offloaded is not None)
+    _build(spec.on_mesh(MeshShape.of(mesh_info)), mesh_info, None)
+
+
+def _build(spec: GroupSpec, mesh_info: MeshInfo, patterns: OverridePatterns | None) -> None:
+    """The parameters, the group made from the spec, the hooks, the override casts and the FSDP classes: all or
+    nothing (every module restored if any step fails)."""
     modules, mp_policy = spec.modules, spec.settings.mixed_precision
-    with ModuleSnapshot(all_modules(modules)).all_or_nothing():  # build: all or nothing
+    with ModuleSnapshot(all_modules(modules)).all_or_nothing():
         params = _make_params(spec, mesh_info)
         group = _make_group(params, spec, mesh_info)
         _install(modules, FSDPState(modules, group, mp_policy, patterns))
-        install_casts(override_casts(spec.params, mp_policy)[0])  # [Note: override casts]
+        install_casts(spec.casts[0])  # planned with the spec: [Note: override casts]
     _register_composable(modules)
     TALLY.calls, TALLY.modules = TALLY.calls + 1, TALLY.modules + len(modules)
 

@@ -722,7 +722,7 @@ def test_apply_config_failing_part_way_puts_everything_back(
     the model exactly as before; the same config then applies cleanly."""
     import fsdp2lite.api
 
-    real = fsdp2lite.api.shard_spec
+    real = fsdp2lite.api.build_spec
     calls = []
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -733,12 +733,12 @@ def test_apply_config_failing_part_way_puts_everything_back(
 
     model = mlp()
     before = fingerprint(model)
-    monkeypatch.setattr(fsdp2lite.api, "shard_spec", failing)
+    monkeypatch.setattr(fsdp2lite.api, "build_spec", failing)
     with pytest.raises(RuntimeError, match="injected failure in the third group"):
         fl.apply_config(model, config(BLOCKS))
     assert len(calls) == 3
     assert_unchanged(model, before)
-    monkeypatch.setattr(fsdp2lite.api, "shard_spec", real)
+    monkeypatch.setattr(fsdp2lite.api, "build_spec", real)
     fl.apply_config(model, config(BLOCKS))
     model(torch.randn(2, 16)).sum().backward()
     assert isinstance(model, fl.FSDPModule) and all(p.grad is not None for p in model.parameters())

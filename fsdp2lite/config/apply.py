@@ -21,7 +21,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     problem), and if sharding still fails part-way, every module is put back as it was.
     """
     from .._snapshot import ModuleSnapshot
-    from ..api import shard_spec  # at call time: tests replace it to fail part-way
+    from ..api import build_spec  # at call time: tests replace it to fail part-way
     from ..mesh import init_mesh, mesh_info_for
     from ..module import FSDPModule
 
@@ -42,7 +42,7 @@ def apply_config(model: nn.Module, config: FSDPConfig, mesh: Any = None) -> nn.M
     if problems:
         raise ConfigError("config applied to " + type(model).__name__, problems)
     with ModuleSnapshot(model.modules()).all_or_nothing():  # the model is as it was before the call, or sharded
-        _shard_plan(model, config, plan, mesh, shard_spec)
+        _shard_plan(model, config, plan, mesh, build_spec)
     return model
 
 
@@ -75,11 +75,11 @@ def _check_apply_arguments(model: Any, config: Any, mesh: Any) -> None:
         )
 
 
-def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, shard_spec: Any) -> None:
-    """Each planned group built from its spec (planned once: ``api.shard_spec`` checks it on the mesh and builds
-    it, as ``fully_shard`` does with the spec it plans), deepest first, then the root."""
+def _shard_plan(model: nn.Module, config: FSDPConfig, plan: Plan, mesh: Any, build_spec: Any) -> None:
+    """Each planned group built from its spec (planned and checked once, by ``plan_config`` and ``mesh_problems``:
+    ``api.build_spec`` builds it as ``fully_shard`` builds the spec it plans), deepest first, then the root."""
     for group, spec in zip(plan.groups, plan.specs):
-        shard_spec(spec, mesh, checked=True)  # plan_config and mesh_problems checked it: [Note: one plan]
+        build_spec(spec, mesh)  # [Note: one plan]
         module = group.modules[0]
         if group.policy.reduce_scatter_unused_params:
             module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
