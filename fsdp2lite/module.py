@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule  # public: to 
 
 from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
+from ._runtime.post_forward import check_post_forward, is_rank_count
 from ._runtime.root import SharedComm
 
 # [Note: torch's FSDPModule]
@@ -123,8 +124,8 @@ class FSDPModule(_TorchFSDPModule):
         between forward and backward. An int creates process groups: call it on every rank."""
         check_reshard_after_forward(reshard_after_forward, allow_none=False)
         groups = list(self._groups(recurse))
-        for group in groups:  # every group checked before any changes
-            group.check_reshard_after_forward(reshard_after_forward)
+        for group in groups if is_rank_count(reshard_after_forward) else ():  # every group checked before any changes
+            check_post_forward(reshard_after_forward, group.mesh_info.shard_size, group.params)
         for group in groups:
             group.set_reshard_after_forward(reshard_after_forward)  # checked above, once
 

@@ -18,7 +18,6 @@ from ..policies import CommPolicy
 from .comm import Ranks
 from .gather import GatherForm, choose_gather, quantized_gather_problem
 from .param import FSDPParam
-from .post_forward import PostForwardReshard, check_post_forward, is_rank_count
 from .reduce import ReduceForm, choose_reduce
 from .replica_step import DeferredReplicas, NoReplicas, ReplicaAllReduce, ReplicaReduceScatter, ReplicaStep
 from .replicas import ReplicaSync
@@ -28,9 +27,6 @@ from .split_reduce import split_if_mixed
 class GroupChoices:
     """A group's communication settings and the forms they choose (the base of ``FSDPParamGroup``)."""
 
-    post_forward_reshard: PostForwardReshard  # reshard_after_forward decoded: [Note: post-forward reshard]
-    reshard_after_forward: bool  # effective: free (or shrink) the unsharded parameters after forward
-    post_forward_group: Ranks | None  # set when reshard_after_forward is an int k
     requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
     replicas: ReplicaSync | None  # HFSDP: [Note: replica-sharded groups]
     gather: GatherForm  # how the group all-gathers: [Note: gather forms]
@@ -42,28 +38,6 @@ class GroupChoices:
     comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
     params: tuple[FSDPParam, ...]
     mesh_info: MeshInfo
-
-    def check_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Raise for a value this group cannot take (an int that does not divide the shard group size, or
-        one that would reshard parameters sharded on a dim other than 0)."""
-        if is_rank_count(value):
-            check_post_forward(value, self.mesh_info.shard_size, self.params)
-
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """Take a value checked by the caller (the plan, or ``check_reshard_after_forward``); None waits for
-        lazy init (``resolve_reshard_for_root``). An int k makes the k-rank process groups."""
-        self.post_forward_reshard = PostForwardReshard.of(value, self.mesh_info.shard_size)
-        self.reshard_after_forward = self.post_forward_reshard.frees(is_root=False)  # None: lazy init decides
-        k = self.post_forward_reshard.ranks
-        if k is None:
-            self.post_forward_group = None
-        else:
-            group, rank = self.mesh_info.post_forward_group(k)
-            self.post_forward_group = Ranks(group, k, rank)
-
-    def resolve_reshard_for_root(self, is_root: bool) -> None:
-        """Lazy init: a group left to the root's decision (None) frees after forward unless it is the root."""
-        self.reshard_after_forward = self.post_forward_reshard.frees(is_root)
 
     def set_comm_policy(self, policy: CommPolicy) -> None:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);

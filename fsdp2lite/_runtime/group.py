@@ -21,6 +21,7 @@ from .gradients import accumulate_sharded_grads, run_all_reduce_hook, take_unsha
 from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
 from .param import FSDPParam
+from .post_forward import PostForwardReshard
 from .reduce import ReduceScatterResult
 from .seams import GroupContext, GroupStorage, HostSide, PlannedGroup
 from .states import GroupStates, ShardedState, TrainingState
@@ -35,6 +36,8 @@ class FSDPParamGroup(GroupChoices, GroupStates):
     name: str  # module path from the root ("" for the root), set at lazy init
     modules: tuple[nn.Module, ...]
     controls: GroupControls  # the public setters' per-step switches (controls.py); replaced by set_controls
+    post_forward_reshard: PostForwardReshard  # reshard_after_forward decoded: [Note: post-forward reshard]
+    reshard_after_forward: bool  # effective: free (or shrink to its k ranks) the unsharded parameters after forward
     sharded_state: ShardedState
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
@@ -106,10 +109,18 @@ class FSDPParamGroup(GroupChoices, GroupStates):
             self._comm = Comm(self.mesh_info.device)
         return self._comm
 
-    def join_root(self, name: str, comm: Comm, host: HostSide, meters: Meters) -> None:
-        """Lazy init: the group's path from the root, and the root's shared Comm, host engine and Meters (the
-        only writer of these after construction)."""
+    def join_root(self, name: str, comm: Comm, host: HostSide, meters: Meters, is_root: bool) -> None:
+        """Lazy init: the group's path from the root, the root's shared Comm, host engine and Meters (the only
+        writer of these after construction), and whether it is the root (``reshard_after_forward=None``: the root
+        keeps its parameters after forward, every other group frees them)."""
         self.name, self._comm, self.host, self.meters = name, comm, host, meters
+        self.reshard_after_forward = self.post_forward_reshard.frees(is_root)
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """Take a value checked by the caller (the plan, or ``post_forward.check_post_forward``); None waits for
+        lazy init (``join_root``). An int k makes the k-rank process groups."""
+        self.post_forward_reshard = PostForwardReshard.of(value, self.mesh_info)
+        self.reshard_after_forward = self.post_forward_reshard.frees(is_root=False)  # None: lazy init decides
 
     def set_controls(self, controls: GroupControls) -> None:
         """The public setters' per-step switches (``FSDPModule.set_requires_gradient_sync`` and the like), checked
@@ -175,8 +186,9 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         for unit in self._rebuilding_units:
             unit.finish()  # the subclass rebuilds its unsharded tensor: [Note: gather units]
         kept = None
-        if self.post_forward_group is not None and self._reshards_after_this_forward():
-            kept = pending.form.kept_slots(output, self.post_forward_group)  # a byte group's slots
+        sub = self.post_forward_reshard.ranks
+        if sub is not None and self._reshards_after_this_forward():
+            kept = pending.form.kept_slots(output, sub)  # a byte group's slots
         if not direct:
             self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
         self._to_unsharded(kept)
@@ -194,7 +206,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
 
     def reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward group, then free the unsharded parameters."""
-        sub = self.post_forward_group
+        sub = self.post_forward_reshard.ranks
         if sub is None or self.sharded_state is not ShardedState.UNSHARDED:
             self.reshard()
             return

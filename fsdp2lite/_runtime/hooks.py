@@ -172,8 +172,8 @@ class FSDPState:
                 state.init_group_for_root(state.group, names[id(state)], context)
 
     def init_group_for_root(self, group: FSDPParamGroup, name: str, context: RootContext) -> None:
-        group.join_root(name, context.comm, context.host, context.meters)  # type: ignore[arg-type]  # not None: the root has groups
-        group.resolve_reshard_for_root(bool(self.is_root))  # reshard_after_forward=None: the root keeps
+        # not None: the root has groups
+        group.join_root(name, context.comm, context.host, context.meters, bool(self.is_root))  # type: ignore[arg-type]
         group.reset_sharded_params()
 
     # ---- forward ----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from ..mesh import MeshInfo
+from .comm import Ranks
 from .param import FSDPParam
 
 
@@ -30,14 +32,19 @@ def is_rank_count(value: Any) -> TypeGuard[int]:
 @dataclass(frozen=True)
 class PostForwardReshard:
     """``reshard_after_forward`` decoded once, from a value already checked (``_plan.py``, or the setter's
-    ``check_post_forward``): what a group does with its unsharded parameters after forward."""
+    ``check_post_forward``): what a group does with its unsharded parameters after forward, and for a k-rank
+    reshard the k ranks it keeps its chunks over."""
 
     requested: bool | int | None  # the user's value; None: the root keeps, every other group frees
-    ranks: int | None  # k of a k-rank reshard (1 < k < shard size); None: all freed or all kept
+    ranks: Ranks | None  # the k-rank group of a k-rank reshard (1 < k < shard size); None: all freed or all kept
 
     @classmethod
-    def of(cls, value: bool | int | None, shard_size: int) -> PostForwardReshard:
-        return cls(value, value if is_rank_count(value) and 1 < value < shard_size else None)
+    def of(cls, value: bool | int | None, info: MeshInfo) -> PostForwardReshard:
+        """Decode ``value`` for a group on ``info``'s mesh; an int k makes (or reuses) the k-rank process groups."""
+        if not (is_rank_count(value) and 1 < value < info.shard_size):
+            return cls(value, None)
+        group, rank = info.post_forward_group(value)
+        return cls(value, Ranks(group, value, rank))
 
     def frees(self, is_root: bool) -> bool:
         """Whether forward ends by freeing (or shrinking to k ranks) the unsharded parameters."""
