@@ -17,6 +17,7 @@ from ._runtime.group import FSDPParamGroup
 from ._runtime.hooks import FSDPState
 from ._runtime.post_forward import check_post_forward, is_rank_count
 from ._runtime.root import SharedComm
+from ._runtime.states import Role
 
 # [Note: torch's FSDPModule]
 # fsdp2lite's FSDPModule subclasses torch's public FSDPModule class, so ``isinstance(m,
@@ -181,7 +182,7 @@ class FSDPModule(_TorchFSDPModule):
     def _set_root_setting(self, name: str, value: object) -> None:
         """Store a root setting on this state (read at lazy init) and on its live context, if any."""
         state = self._fsdp_state
-        if state.is_root is False:
+        if state.role is Role.NESTED:
             raise ValueError(f"set_{name} is a root setting; {type(self).__name__} is not the root")
         state.schedule_overrides[name] = value
         if state.root_context is not None:

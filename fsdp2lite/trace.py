@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._runtime.states import Role
 from ._runtime.trace import HOST_LANE, SPAN_EVENTS, TraceEvent, TraceRecorder
 
 __all__ = [
@@ -47,7 +48,7 @@ def record_trace(model: nn.Module) -> Iterator[TraceRecorder]:
     if not isinstance(model, FSDPModule):
         raise TypeError(f"record_trace needs a module fully_shard was applied to, got {type(model).__name__}")
     state = model._fsdp_state
-    if state.is_root is False:
+    if state.role is Role.NESTED:
         raise ValueError(f"record_trace: {type(model).__name__} is not the root; pass the outermost FSDP module")
     rank = dist.get_rank() if dist.is_initialized() else 0
     recorder = TraceRecorder(rank)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2lite as fl
 from fsdp2lite._runtime.split_reduce import SplitReduce
+from fsdp2lite._runtime.states import Role
 
 D = 16
 BF16 = fl.MixedPrecisionPolicy(param_dtype="bf16")  # reduce_dtype None: the linears reduce in bf16
@@ -311,7 +312,7 @@ def test_a_pattern_matching_nothing_in_one_call_waits_for_the_root(single_rank_p
         r"Block; the calls' parameter names: up\.weight, up\.bias, norm\.weight",
     ):
         block(torch.randn(2, D))
-    assert _params(block) == before and block._fsdp_state.is_root is None
+    assert _params(block) == before and block._fsdp_state.role is Role.UNDECIDED
 
 
 def test_quantized_all_gather_with_overrides_is_the_plans_problem() -> None:

@@ -21,6 +21,7 @@ import transformers  # in fsdp2lite[dev] (and [hf]): a missing one fails here, i
 from _dist import cpu_mesh, spawn_checks
 
 import fsdp2lite as fl
+from fsdp2lite._runtime.states import Role
 
 BF16 = fl.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 FP32 = fl.MixedPrecisionPolicy(param_dtype=torch.float32)
@@ -154,7 +155,7 @@ def test_a_pattern_matching_nothing_anywhere_is_refused_at_the_first_forward(sin
     before = _params(model)
     with pytest.raises(ValueError, match=r"pattern '\*layernrom\*' matches no parameter in any fully_shard call"):
         loss_of(model, 0, 0)
-    assert _params(model) == before and model._fsdp_state.is_root is None  # lazy init did not run
+    assert _params(model) == before and model._fsdp_state.role is Role.UNDECIDED  # lazy init did not run
 
 
 def test_one_module_given_two_casts_is_refused_before_anything_changes(single_rank_pg: None) -> None:

@@ -57,7 +57,7 @@ from .containers import cast_floating, map_tensors, tensors_in
 from .group import FSDPParamGroup
 from .module_casts import OverridePatterns
 from .root import RootContext, SharedComm
-from .states import TrainingState
+from .states import Role, TrainingState
 from .trace import TraceRecorder
 
 
@@ -81,7 +81,7 @@ class FSDPState:
     modules: tuple[nn.Module, ...]
     group: FSDPParamGroup | None
     mp_policy: MixedPrecisionPolicy  # for casting forward inputs and outputs
-    is_root: bool | None  # None until the first forward decides
+    role: Role  # ROOT or NESTED once the first forward decides (the root's lazy init)
     root_context: RootContext | None
     pending_forward: set[int]  # ids of this call's modules yet to finish forward in this pass
     in_forward_method: bool  # a registered forward method is running: its pass stays open until it returns
@@ -91,6 +91,11 @@ class FSDPState:
     wire_counts: dict[str, int] | None  # as root: fl.count_wire_bytes's record, handed to the Meters likewise
     shared_comm: SharedComm | None  # as root: a Comm and host engine shared with other roots (``share_comm_ctx``)
     override_patterns: OverridePatterns  # the call's mp_overrides patterns, checked at the root's lazy init
+
+    @property
+    def is_root(self) -> bool:
+        """This call's state is its model's root (False before the first forward decides)."""
+        return self.role is Role.ROOT
 
     def __init__(
         self,
@@ -103,7 +108,7 @@ class FSDPState:
         self.group = group
         self.mp_policy = mp_policy
         self.override_patterns = override_patterns or OverridePatterns()
-        self.is_root = None
+        self.role = Role.UNDECIDED
         self.root_context = None
         self.pending_forward = set()
         self.in_forward_method = False
@@ -166,14 +171,14 @@ class FSDPState:
                 setattr(context, name, value)
             state.step_settings.clear()
         for state in states:
-            state.is_root = state is self
+            state.role = Role.ROOT if state is self else Role.NESTED
             state.root_context = context
             if state.group is not None:
                 state.init_group_for_root(state.group, names[id(state)], context)
 
     def init_group_for_root(self, group: FSDPParamGroup, name: str, context: RootContext) -> None:
         # not None: the root has groups
-        group.join_root(name, context.comm, context.host, context.meters, bool(self.is_root))  # type: ignore[arg-type]
+        group.join_root(name, context.comm, context.host, context.meters, self.is_root)  # type: ignore[arg-type]
         group.reset_sharded_params()
 
     # ---- forward ----------------------------------------------------------------------------
@@ -187,7 +192,7 @@ class FSDPState:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if self.in_pass():
             return args, kwargs  # a later module of this call's group: unsharded already ([Note: group pass])
-        if self.is_root is None:
+        if self.role is Role.UNDECIDED:
             self.lazy_init()  # before any bookkeeping: if it raises, nothing has changed
         self.pending_forward.update(id(m) for m in self.modules)
         return self._pre_forward(args, kwargs)

@@ -1,6 +1,7 @@
 """The two state machines of the runtime: their states, and the transitions of the sharded one.
 
-``TrainingState`` says which phase of a step a group is in; ``ShardedState`` says where a group's
+``TrainingState`` says which phase of a step a group is in (``Role``, whether a call's state is its model's root);
+``ShardedState`` says where a group's
 parameters currently live (one state for the group and its parameters). ``ShardedState`` changes only in
 the group's ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward`` (``GroupStates``, a base of
 the group), each of which checks the state it leaves and raises naming both.
@@ -24,6 +25,14 @@ class TrainingState(Enum):
     FORWARD = auto()  # between pre-forward and post-forward
     PRE_BACKWARD = auto()  # unsharded for backward; the group's gradients are being computed
     POST_BACKWARD = auto()  # gradients taken and reduced; waiting for the end of backward
+
+
+class Role(Enum):
+    """What one ``fully_shard`` call's state is in its model, decided by the first forward (the root's lazy init)."""
+
+    UNDECIDED = auto()  # no forward yet: the outermost state to run forward becomes the root
+    ROOT = auto()  # the outermost: owns the RootContext its tree shares
+    NESTED = auto()  # under a root
 
 
 class ShardedState(Enum):
