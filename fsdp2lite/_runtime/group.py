@@ -16,7 +16,7 @@ from ..policies import CommPolicy, reduce_dtype_problem_by_policy
 from .choices import GroupChoices
 from .comm import Comm
 from .controls import GroupControls
-from .gather import GatherForm, PendingUnshard, Regather
+from .gather import GatherForm, PendingUnshard
 from .gradients import accumulate_sharded_grads, run_all_reduce_hook, take_unsharded_grads
 from .host_arena import HostArena, pack_host_shards
 from .identity import register_group
@@ -24,27 +24,25 @@ from .param import FSDPParam
 from .post_forward import PostForwardReshard
 from .reduce import ReduceScatterResult
 from .seams import GroupContext, GroupStorage, HostSide, PlannedGroup
-from .states import GroupStates, ShardedState, TrainingState
+from .states import ShardedState, ShardedStates, TrainingState
 from .storages import group_storages
 from .trace import Meters
 
 
-class FSDPParamGroup(GroupChoices, GroupStates):
+class FSDPParamGroup(GroupChoices):
     """The parameters of one fully_shard call and their collectives (the settings that choose its forms:
-    ``GroupChoices``, choices.py; its sharded-state machine: ``GroupStates``, states.py)."""
+    ``GroupChoices``, choices.py; its sharded-state machine: ``states``, a ``ShardedStates``, states.py)."""
 
     name: str  # module path from the root ("" for the root), set at lazy init
     modules: tuple[nn.Module, ...]
     controls: GroupControls  # the public setters' per-step switches (controls.py); replaced by set_controls
     post_forward_reshard: PostForwardReshard  # reshard_after_forward decoded: [Note: post-forward reshard]
     reshard_after_forward: bool  # effective: free (or shrink to its k ranks) the unsharded parameters after forward
-    sharded_state: ShardedState
+    states: ShardedStates  # where its parameters live, the only writer of it: states.py
     training_state: TrainingState
     needs_post_backward: bool  # pre-backward ran and post-backward has not yet, this step
     backward_follows: bool  # its last forward's output needs a gradient: backward will use it (a prefetch target)
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
-    regather: Regather | None  # while resharded to the post-forward group: its all-gather for backward
-    post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
     offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
     _comm: Comm | None  # streams, events, work handles; the root's, shared, after lazy init
@@ -93,14 +91,18 @@ class FSDPParamGroup(GroupChoices, GroupStates):
 
     def _start_idle(self) -> None:
         """The per-step state of a group before its first use: sharded, idle, nothing in flight."""
-        self.sharded_state = ShardedState.SHARDED
+        self.states = ShardedStates(self)
         self.training_state = TrainingState.IDLE
         self.needs_post_backward = False
         self.backward_follows = True
         self.pending_unshard = None
-        self.regather = self.post_forward_kept = None
         self.reduce_scatter_result = None
         self.offload_event = None
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        """Where the parameters live now (``states.current``)."""
+        return self.states.current
 
     @property
     def comm(self) -> Comm:
@@ -148,14 +150,14 @@ class FSDPParamGroup(GroupChoices, GroupStates):
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
-        if self.sharded_state is ShardedState.UNSHARDED or self.pending_unshard is not None:
+        if self.states.current is ShardedState.UNSHARDED or self.pending_unshard is not None:
             return
         self.host.wait_for(p.sharded_param for p in self.params)  # a host step in flight writes the shards
-        form: GatherForm | None = self.regather  # set exactly while resharded to the post-forward group
+        form: GatherForm | None = self.states.regather  # set exactly while resharded to the post-forward group
         if form is None:
             # each brings what the optimizer stepped back into the shards the all-gather reads: a list, all run
             if any([storage.before_gather() for storage in self.storages]):
-                self._to_unsharded()  # the kept storage holds the current shards: [Note: resident groups]
+                self.states.to_unsharded()  # the kept storage holds the current shards: [Note: resident groups]
                 self.trace("all_gather_skipped")
                 return
             self.sync_extensions()
@@ -191,7 +193,7 @@ class FSDPParamGroup(GroupChoices, GroupStates):
             kept = pending.form.kept_slots(output, sub)  # a byte group's slots
         if not direct:
             self.comm.release(output)  # copy-out queued: [Note: CUDA buffer lifetime]
-        self._to_unsharded(kept)
+        self.states.to_unsharded(kept)
 
     def reshard(self, free: bool = False) -> None:
         """Free the unsharded parameters (waiting first for an all-gather still in flight); a resident group
@@ -199,22 +201,22 @@ class FSDPParamGroup(GroupChoices, GroupStates):
         self.wait_for_unshard()
         for storage in self.storages if free else ():
             storage.invalidate()  # an explicit reshard: rebuild the shards anew too
-        if self.sharded_state is ShardedState.SHARDED and not (free and self.keeps_unsharded):
+        if self.states.current is ShardedState.SHARDED and not (free and self.keeps_unsharded):
             return  # a resident group's kept storage is freed only when asked (free)
-        self._to_sharded(keep=self.keeps_unsharded and not free)
+        self.states.to_sharded(keep=self.keeps_unsharded and not free)
         self.trace("reshard")
 
     def reshard_post_forward(self) -> None:
         """Keep only this rank's chunk over the post-forward group, then free the unsharded parameters."""
         sub = self.post_forward_reshard.ranks
-        if sub is None or self.sharded_state is not ShardedState.UNSHARDED:
+        if sub is None or self.states.current is not ShardedState.UNSHARDED:
             self.reshard()
             return
-        regather = self.post_forward_kept or self.gather.chunks(sub)  # [Note: post-forward reshard]
+        regather = self.states.post_forward_kept or self.gather.chunks(sub)  # [Note: post-forward reshard]
         if regather is None:
             self.reshard()
             return
-        self._to_sharded_post_forward(regather)
+        self.states.to_sharded_post_forward(regather)
         self.trace("reshard")
 
     def _reshards_after_this_forward(self) -> bool:

@@ -1,16 +1,15 @@
-"""The two state machines of the runtime: their states, and the transitions of the sharded one.
+"""The state machines of the runtime: their states, and the transitions of the sharded one.
 
-``TrainingState`` says which phase of a step a group is in (``Role``, whether a call's state is its model's root);
-``ShardedState`` says where a group's
-parameters currently live (one state for the group and its parameters). ``ShardedState`` changes only in
-the group's ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward`` (``GroupStates``, a base of
-the group), each of which checks the state it leaves and raises naming both.
+``TrainingState`` says which phase of a step a group is in; ``Role`` whether a call's state is its model's root;
+``ShardedState`` where a group's parameters currently live (one state for the group and its parameters).
+``ShardedState`` changes only in ``ShardedStates.to_unsharded`` / ``to_sharded`` / ``to_sharded_post_forward`` (the
+machine each group holds as ``states``), each of which checks the state it leaves and raises naming both.
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .gather import Regather
@@ -43,53 +42,67 @@ class ShardedState(Enum):
     UNSHARDED = auto()  # full parameters allocated and registered on the modules
 
 
-class GroupStates:
-    """The sharded-state machine of a group (a base of ``FSDPParamGroup``): the only writers of
-    ``sharded_state``, each checking the state it leaves."""
+class StatesOwner(Protocol):
+    """What the sharded-state machine reads of its group, at each transition."""
 
     params: tuple[FSDPParam, ...]
     storages: tuple[GroupStorage, ...]
     keeps_unsharded: bool
-    sharded_state: ShardedState
-    regather: Regather | None
-    post_forward_kept: Regather | None
 
-    def _to_unsharded(self, kept: Regather | None = None) -> None:
+
+class ShardedStates:
+    """The sharded-state machine of one group (the group holds it as ``states``): where its parameters live
+    (``current``), and while resharded to the post-forward group the regather for backward; its transitions are the
+    only writers of the three, each checking the state it leaves."""
+
+    current: ShardedState
+    regather: Regather | None  # while resharded to the post-forward group: its all-gather for backward
+    post_forward_kept: Regather | None  # a byte group's slots, kept at copy-out for its post-forward reshard
+
+    def __init__(self, group: StatesOwner) -> None:
+        self.group = group
+        self.current = ShardedState.SHARDED
+        self.regather = self.post_forward_kept = None
+
+    def __repr__(self) -> str:
+        return repr(self.group)
+
+    def to_unsharded(self, kept: Regather | None = None) -> None:
         """SHARDED or SHARDED_POST_FORWARD -> UNSHARDED: the filled unsharded parameters on the modules
         (``kept``: what a byte group keeps for its post-forward regather)."""
         self._leave(ShardedState.UNSHARDED, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
-        for param in self.params:
+        for param in self.group.params:
             param.to_unsharded()
         self.regather = None  # consumed: [Note: buffer lifetime]
         self.post_forward_kept = kept
-        self.sharded_state = ShardedState.UNSHARDED
-        for storage in self.storages:
+        self.current = ShardedState.UNSHARDED
+        for storage in self.group.storages:
             storage.gathered()
 
-    def _to_sharded(self, keep: bool) -> None:
+    def to_sharded(self, keep: bool) -> None:
         """UNSHARDED or SHARDED_POST_FORWARD -> SHARDED: the DTensors on the modules, the unsharded storage
         freed (``keep``: a resident group's stays); or SHARDED -> SHARDED freeing a resident group's storage."""
         allowed: tuple[ShardedState, ...] = (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD)
-        if self.keeps_unsharded and not keep:
+        if self.group.keeps_unsharded and not keep:
             allowed = (*allowed, ShardedState.SHARDED)
         self._leave(ShardedState.SHARDED, *allowed)
-        for param in self.params:
+        for param in self.group.params:
             param.to_sharded(keep)
         self.regather = self.post_forward_kept = None
-        self.sharded_state = ShardedState.SHARDED
+        self.current = ShardedState.SHARDED
 
-    def _to_sharded_post_forward(self, regather: Regather) -> None:
+    def to_sharded_post_forward(self, regather: Regather) -> None:
         """UNSHARDED -> SHARDED_POST_FORWARD: only this rank's chunks over the post-forward group kept."""
         self._leave(ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED)
-        for param in self.params:
+        for param in self.group.params:
             param.to_sharded()
         self.regather, self.post_forward_kept = regather, None
-        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        self.current = ShardedState.SHARDED_POST_FORWARD
 
     def _leave(self, target: ShardedState, *allowed: ShardedState) -> None:
         """Check that the group may go to ``target`` from where it is (an internal invariant)."""
-        if self.sharded_state not in allowed:
+        if self.current not in allowed:
             raise RuntimeError(
-                f"{self}: cannot go from {self.sharded_state.name} to {target.name} "
+                f"{self.group}: cannot go from {self.current.name} to {target.name} "
                 f"(only from {', '.join(state.name for state in allowed)})"
             )

@@ -141,7 +141,7 @@ class UnshardedState:
 
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules (only the group's
-        ``_to_unsharded`` calls it: the group's state is the parameters')."""
+        ``ShardedStates.to_unsharded`` calls it: the group's state is the parameters')."""
         unsharded = self.unsharded_param
         if unsharded is None:
             raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
