@@ -24,7 +24,7 @@ Link numbers are the planner's (``fsdp2lite.estimate.timing.LINKS``: pcie4 and i
 the same link; a ``Link(gb_per_s, latency_us)`` of your own works too.
 
 Why a process group and not patched functions: fsdp2lite binds its collectives at import time
-(``_runtime/comm.py``'s ``all_gather_flat``, ``reduce.py``'s ``_native_reduce_scatter``), so
+(``_runtime/collective.py``'s ``all_gather_flat`` and ``reduce_scatter_flat``), so
 patching ``torch.distributed`` afterwards would miss fsdp2lite and catch torch's ``fully_shard``: an
 unfair race. Both libraries end in ``group.<method>(...)`` on the process group object, so a Python
 ``dist.ProcessGroup`` subclass (as torch's own multi-threaded test group is) serves both alike, on torch

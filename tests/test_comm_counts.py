@@ -129,7 +129,7 @@ def check_not_more_than_torch(rank: int) -> None:
 def check_gloo_reduces_in_place(rank: int) -> None:
     """On gloo the reduction is one in-place all-reduce of the flat buffer; the sharded gradients are a
     copy of this rank's slot, so they do not keep the world-sized flat buffer alive."""
-    from fsdp2lite._runtime.reduce import reduces_in_place
+    from fsdp2lite._runtime.collective import reduces_in_place
 
     assert reduces_in_place(dist.group.WORLD, torch.device("cpu"))
     assert not reduces_in_place(dist.group.WORLD, torch.device("cuda"))  # CUDA tensors: NCCL's reduce-scatter
@@ -146,7 +146,7 @@ def check_gloo_reduces_in_place(rank: int) -> None:
 
 
 def test_cpu_backend_parsing() -> None:
-    from fsdp2lite._runtime.reduce import cpu_backend
+    from fsdp2lite._runtime.collective import cpu_backend
 
     assert cpu_backend("gloo") == "gloo"
     assert cpu_backend("cpu:gloo,cuda:nccl") == "gloo"

@@ -121,13 +121,9 @@ def test_cpu_offload_on_cuda() -> None:
 def test_delayed_side_streams_keep_parity() -> None:
     """Spin the GPU on the collective streams before each collective: a compute stream that does not
     wait on the right event reads unfinished buffers and the numbers go wrong."""
-    from fsdp2lite._runtime import gather
-    from fsdp2lite._runtime import reduce as reduce_module
+    from _collectives import wrapped_collectives
 
-    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module}
-    originals = {name: getattr(module, name) for name, module in sites.items()}
-
-    def delayed(fn):  # type: ignore[no-untyped-def]
+    def delayed(kind, fn):  # type: ignore[no-untyped-def]
         def run(*args, **kwargs):  # type: ignore[no-untyped-def]
             torch.cuda._sleep(2_000_000)  # on the current (side) stream: delays what follows on it
             return fn(*args, **kwargs)
@@ -138,13 +134,8 @@ def test_delayed_side_streams_keep_parity() -> None:
     ref = GPT(TINY_GPT).to(DEVICE)
     model = shard(copy.deepcopy(ref))
     model.set_forward_prefetch_depth(2)
-    try:
-        for name, fn in originals.items():
-            setattr(sites[name], name, delayed(fn))
+    with wrapped_collectives(delayed):
         _train_pair(model, ref)
-    finally:
-        for name, fn in originals.items():
-            setattr(sites[name], name, fn)
 
 
 def test_cuda_schedule_uses_side_streams_and_prefetches() -> None:

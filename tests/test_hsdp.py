@@ -7,14 +7,13 @@ ran on, collective counts, gradient accumulation with either switch, and reshard
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _collectives import recorded_collectives
 from _dist import spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import assert_params_match, train_and_compare
@@ -23,8 +22,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import gather, replica_step
-from fsdp2lite._runtime import reduce as reduce_module
 
 MESHES = [(2, 2), (4, 1), (1, 4)]
 
@@ -40,30 +37,6 @@ def shard_with(mesh: DeviceMesh, reshard: bool | int | None) -> Callable[[nn.Mod
         fl.fully_shard(model, mesh, reshard_after_forward=reshard)
 
     return shard
-
-
-@contextmanager
-def recorded_collectives() -> Iterator[list[tuple[str, dist.ProcessGroup, int]]]:
-    """Wrap the runtime's collective entry points; record (kind, group, numel) per call."""
-    calls: list[tuple[str, dist.ProcessGroup, int]] = []
-    modules = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": replica_step}
-    originals = {name: getattr(module, name) for name, module in modules.items()}
-
-    def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def recorder(*args: Any, **kwargs: Any) -> Any:
-            calls.append((kind, kwargs["group"], args[0].numel()))
-            return fn(*args, **kwargs)
-
-        return recorder
-
-    gather.all_gather_flat = wrap("all_gather", originals["all_gather_flat"])
-    reduce_module._reduce_scatter_flat = wrap("reduce_scatter", originals["_reduce_scatter_flat"])
-    replica_step._all_reduce = wrap("all_reduce", originals["_all_reduce"])
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(modules[name], name, fn)
 
 
 def check_placements(rank: int, ws: int) -> None:
@@ -155,16 +128,17 @@ def check_collective_groups(rank: int, ws: int) -> None:
     for step in range(2):
         with recorded_collectives() as calls:
             mlp_loss(model, mlp_batch(step, rank)).backward()
-        kinds = [kind for kind, _, _ in calls]
+        kinds = [kind for kind, *_ in calls]
         assert kinds.count("all_gather") == n_groups + 2, kinds  # forward all, backward all but the root
         assert kinds.count("reduce_scatter") == n_groups and kinds.count("all_reduce") == n_groups, kinds
-        for kind, group, _ in calls:
+        for kind, ranks, _, async_op in calls:
             expected = replicate_group if kind == "all_reduce" else shard_group
-            assert group is expected, f"{kind} ran on the wrong process group"
+            assert ranks.group is expected, f"{kind} ran on the wrong process group"
+            assert async_op, f"{kind} was not issued async (CPU: a Work waited by its consumer)"
     model.set_requires_all_reduce(False)
     with recorded_collectives() as calls:
         mlp_loss(model, mlp_batch(5, rank)).backward()
-    assert [k for k, _, _ in calls].count("all_reduce") == 0
+    assert [k for k, *_ in calls].count("all_reduce") == 0
 
 
 def check_post_forward_reshard(rank: int, ws: int) -> None:
@@ -179,11 +153,11 @@ def check_post_forward_reshard(rank: int, ws: int) -> None:
         loss = mlp_loss(model, mlp_batch(0, rank))
     with recorded_collectives() as backward_calls:
         loss.backward()
-    sizes = {dist.get_world_size(group) for kind, group, _ in forward_calls if kind == "all_gather"}
+    sizes = {ranks.size for kind, ranks, _, _ in forward_calls if kind == "all_gather"}
     assert sizes == {4}, sizes
-    backward_gathers = [(group, numel) for kind, group, numel in backward_calls if kind == "all_gather"]
+    backward_gathers = [(ranks.group, numel) for kind, ranks, numel, _ in backward_calls if kind == "all_gather"]
     assert len(backward_gathers) == 2 and all(dist.get_world_size(g) == 2 for g, _ in backward_gathers)
-    block_forward = [numel for kind, g, numel in forward_calls if kind == "all_gather"][1]
+    block_forward = [numel for kind, _, numel, _ in forward_calls if kind == "all_gather"][1]
     assert abs(backward_gathers[0][1] - block_forward) <= 4 * 64, "a 2-rank gather moves the whole block"
     # k == shard size behaves like True, k == 1 like False; other values are rejected with the divisors
     with pytest.raises(ValueError, match=r"reshard_after_forward=3 must divide the shard group size \(4\)"):
@@ -191,7 +165,7 @@ def check_post_forward_reshard(rank: int, ws: int) -> None:
     model.blocks[0].set_reshard_after_forward(1)
     with recorded_collectives() as calls:
         mlp_loss(model, mlp_batch(1, rank)).backward()
-    assert [k for k, _, _ in calls].count("all_gather") == 3 + 1  # forward 3, backward only blocks.1
+    assert [k for k, *_ in calls].count("all_gather") == 3 + 1  # forward 3, backward only blocks.1
 
 
 def check_mixed_meshes_rejected(rank: int, ws: int) -> None:

@@ -6,17 +6,19 @@ One spawn per world size runs every scenario, so the suite pays for process star
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
+from _collectives import wrapped_collectives
 from _dist import spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
 from _parity import train_and_compare
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import reduce as reduce_module  # where the reduce form is chosen
+from fsdp2lite._runtime.collective import Native
 
 RESHARD_MODES = (None, True, False)
 
@@ -137,21 +139,25 @@ def scenario_device_schedule_variants(rank: int, ws: int) -> None:
     """The paths the CPU defaults skip, still exact on gloo: the native reduce-scatter (instead of the
     in-place all-reduce, [Note: gloo reduce-scatter]) and CUDA's schedule (backward prefetch at
     pre-backward, reduce-scatters pipelined)."""
-    original, native = reduce_module.reduces_in_place, reduce_module._native_reduce_scatter
     calls: list[int] = []
 
-    def counted_native(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        return native(*args, **kwargs)
+    def counted(kind: str, method: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            calls.append(kind == "reduce_scatter" and type(args[0]) is Native)
+            return method(*args, **kwargs)
 
-    reduce_module.reduces_in_place = lambda group, device: False  # type: ignore[assignment]
-    reduce_module._native_reduce_scatter = counted_native
-    try:
+        return run
+
+    def native(model: nn.Module) -> None:
+        shard_blocks(None)(model)
+        for module in model.modules():
+            if isinstance(module, fl.FSDPModule):
+                module._fsdp_state.group.set_collective(Native())  # type: ignore[union-attr]
+
+    with wrapped_collectives(counted):
         torch.manual_seed(0)
-        train_and_compare(UnevenMLP(), shard_blocks(None), mlp_batch, mlp_loss, rank, label="native reduce-scatter")
-    finally:
-        reduce_module.reduces_in_place, reduce_module._native_reduce_scatter = original, native
-    assert calls or ws == 1, "the native reduce-scatter path never ran"  # one rank sends nothing
+        train_and_compare(UnevenMLP(), native, mlp_batch, mlp_loss, rank, label="native reduce-scatter")
+    assert any(calls) or ws == 1, "the native reduce-scatter path never ran"  # one rank sends nothing
 
     def cuda_schedule(model: nn.Module) -> None:
         shard_blocks(None)(model)

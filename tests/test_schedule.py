@@ -3,11 +3,7 @@ prefetch lists, prefetch depth, delay injection (races show up as wrong numbers)
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _collectives import delayed_collectives
 from _dist import spawn
 from _models import UnevenMLP, mlp_batch, mlp_loss
 from _parity import train_and_compare
 
 import fsdp2lite as fl
-from fsdp2lite._runtime import gather, replica_step
-from fsdp2lite._runtime import reduce as reduce_module
 from fsdp2lite.cli import main as cli_main
 
 N_BLOCKS = 3
@@ -136,64 +131,6 @@ def check_prefetch_depth(rank: int, ws: int) -> None:
     model.set_forward_prefetch_depth(2)
     events = traced_step(model, step=2)
     assert position(events, "all_gather_issue", "blocks.1") < position(events, "forward", "<root>"), events
-
-
-class DelayedCollectives:
-    """Runs every collective on one worker thread (issue order kept), each after a delay; the Work handed
-    back completes only then. Reading a collective's output before waiting on it reads garbage."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.jobs: queue.Queue[tuple[Callable[..., Any], tuple, dict, threading.Event] | None] = queue.Queue()
-        self.worker = threading.Thread(target=self._work, daemon=True)
-        self.worker.start()
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            fn, args, kwargs, done = job
-            time.sleep(self.delay_s)
-            fn(*args, **{**kwargs, "async_op": False})
-            done.set()
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def delayed(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-            done = threading.Event()
-            self.jobs.put((fn, args, kwargs, done))
-            work = _EventWork(done)
-            if not async_op:
-                work.wait()
-                return None
-            return work
-
-        return delayed
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.worker.join()
-
-
-class _EventWork:
-    def __init__(self, done: threading.Event) -> None:
-        self.done = done
-
-    def wait(self) -> bool:
-        self.done.wait()
-        return True
-
-
-@contextmanager
-def delayed_collectives(delay_s: float) -> Iterator[None]:
-    sites = {"all_gather_flat": gather, "_reduce_scatter_flat": reduce_module, "_all_reduce": replica_step}
-    originals = {name: getattr(module, name) for name, module in sites.items()}
-    delayer = DelayedCollectives(delay_s)
-    for name, fn in originals.items():
-        setattr(sites[name], name, delayer.wrap(fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(sites[name], name, fn)
-        delayer.close()
 
 
 def check_delay_injection(rank: int, ws: int) -> None:

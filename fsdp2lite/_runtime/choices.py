@@ -1,20 +1,20 @@
 """The settings of a group that decide how it communicates, and the choosing of its forms.
 
 What a group's hot path does depends on facts fixed between setter calls: its parameters' dtypes and hooks,
-its mesh, its CommPolicy, a custom all-gather or reduce-scatter, a reduce-scatter group of its own, whether
-replicas all-reduce, HFSDP. Each setter here records its value and re-chooses the one form it affects
-([Note: gather forms] in gather.py, [Note: reduce forms] in reduce.py); ``unshard`` and the reduction then
-call the forms without asking about features (STYLE.md rule 17).
+its mesh, its collective, its CommPolicy, a custom all-gather or reduce-scatter, a reduce-scatter group of its
+own, whether replicas all-reduce, HFSDP. Each setter here records its value and re-chooses the one form it
+affects ([Note: gather forms] in gather.py, [Note: reduce forms] in reduce.py, [Note: one collective seam] in
+collective.py); ``unshard`` and the reduction then call the forms without asking about features (STYLE.md
+rule 17).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch.distributed as dist
 
 from ..mesh import MeshInfo
 from ..policies import CommPolicy
+from .collective import AllGatherComm, Collective, ReduceScatterComm, collective_for
 from .comm import Ranks
 from .gather import GatherForm, choose_gather, quantized_gather_problem
 from .param import FSDPParam
@@ -33,8 +33,9 @@ class GroupChoices:
     reduce: ReduceForm  # how the group reduce-scatters: [Note: reduce forms]
     replica_step: ReplicaStep  # and then across replicas (2-D meshes)
     reduce_scatter_group: dist.ProcessGroup | None  # a group of its own for reduce-scatters; None: the shard group
-    custom_all_gather: Any  # torch's AllGather protocol (allocate + __call__), or None
-    custom_reduce_scatter: Any  # torch's ReduceScatter protocol, or None
+    collective: Collective  # the shard group's collectives, the forms' seam: [Note: one collective seam]
+    custom_all_gather: AllGatherComm | None  # torch's AllGather protocol (allocate + __call__), or None
+    custom_reduce_scatter: ReduceScatterComm | None  # torch's ReduceScatter protocol, or None
     comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
     params: tuple[FSDPParam, ...]
     mesh_info: MeshInfo
@@ -53,12 +54,19 @@ class GroupChoices:
         self.choose_gather()
         self.choose_reduce()
 
-    def set_custom_all_gather(self, comm: Any) -> None:
+    def set_collective(self, collective: Collective) -> None:
+        """Run the shard group's collectives through ``collective`` (the estimator's simulated ranks, on the fake
+        process group, take the target device's: ``GlooInPlace`` for a CPU target)."""
+        self.collective = collective
+        self.choose_gather()
+        self.choose_reduce()
+
+    def set_custom_all_gather(self, comm: AllGatherComm | None) -> None:
         """torch's AllGather protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
         self.custom_all_gather = comm
         self.choose_gather()
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm | None) -> None:
         """torch's ReduceScatter protocol (``allocate`` + ``__call__``) instead of the group's own collective."""
         self.custom_reduce_scatter = comm
         self.choose_reduce()
@@ -68,13 +76,13 @@ class GroupChoices:
         self.requires_all_reduce = requires_all_reduce
         self.choose_replica_step()
 
-    def choose_reduce(self, in_place: bool | None = None) -> None:
-        """The group's reduce form ([Note: reduce forms]); ``in_place`` overrides the backend's answer (the
-        estimator's simulated CPU ranks run on the fake process group)."""
+    def choose_reduce(self) -> None:
+        """The group's reduce form ([Note: reduce forms]), over its reduce-scatter group (the same ranks and
+        backend as the shard group, so the same collective) or the shard group."""
         info = self.mesh_info
         group = self.reduce_scatter_group or info.shard_group
         ranks = Ranks(group, info.shard_size, info.shard_rank)
-        form = choose_reduce(ranks, info.device, self.comm_policy, self.custom_reduce_scatter, in_place)
+        form = choose_reduce(ranks, self.comm_policy, self.collective, self.custom_reduce_scatter)
         self.reduce = split_if_mixed(self.params, form)  # [Note: per-parameter mixed precision]
 
     def choose_replica_step(self) -> None:
@@ -87,15 +95,18 @@ class GroupChoices:
         elif self.replicas is not None:
             self.replica_step = ReplicaReduceScatter(self.replicas)
         else:
-            self.replica_step = ReplicaAllReduce(replicate_group)
+            replicas = Ranks(replicate_group, self.mesh_info.replicate_size, dist.get_rank(replicate_group))
+            self.replica_step = ReplicaAllReduce(replicas, collective_for(replicate_group, self.mesh_info.device))
 
     def choose_gather(self) -> None:
         """The group's gather form, from what it depends on now ([Note: gather forms])."""
         info = self.mesh_info
         ranks = Ranks(info.shard_group, info.shard_size, info.shard_rank)
-        self.gather = choose_gather(self.params, ranks, self.comm_policy, self.custom_all_gather)
+        self.gather = choose_gather(self.params, ranks, self.comm_policy, self.collective, self.custom_all_gather)
 
-    def set_separate_reduce_scatter_group(self, enable: bool, created: dict[tuple[int, ...], Any]) -> None:
+    def set_separate_reduce_scatter_group(
+        self, enable: bool, created: dict[tuple[int, ...], dist.ProcessGroup]
+    ) -> None:
         """A process group of its own over the shard ranks for reduce-scatters (``created`` shares one per
         rank set between groups), or None to use the shard group."""
         if not enable:

@@ -30,9 +30,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the flat all-gather (the old name warns); torch 2.6-2.12 only have the old one.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 _NO_STREAM = nullcontext()  # reusable: what ``Comm.on``/``after`` give on CPU, where there are no side streams
 
 STREAM_NAMES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce")

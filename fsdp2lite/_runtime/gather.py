@@ -57,11 +57,13 @@ lazy init: ``policies.reduce_dtype_problem``). A group of one dtype gathers as b
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .comm import AllGatherResult, Comm, Ranks, all_gather_flat
+from ..policies import CommPolicy
+from .collective import AllGatherComm, Collective, CustomAllGather
+from .comm import AllGatherResult, Comm, Ranks
 from .layout import ShardLayout
 from .param import FSDPParam
 from .quantize import block_segments, copy_out_quantized, encode_group
@@ -96,15 +98,23 @@ class PendingUnshard(NamedTuple):
     form: GatherForm
 
 
-def choose_gather(params: tuple[FSDPParam, ...], ranks: Ranks, policy: Any, custom: Any) -> GatherForm:
-    """The form a group of ``params`` gathers in over ``ranks`` under CommPolicy ``policy`` and a custom
-    all-gather ``custom`` (torch's AllGather protocol, or None): [Note: gather forms]."""
+def choose_gather(
+    params: tuple[FSDPParam, ...],
+    ranks: Ranks,
+    policy: CommPolicy,
+    collective: Collective,
+    custom: AllGatherComm | None,
+) -> GatherForm:
+    """The form a group of ``params`` gathers in over ``ranks`` with ``collective`` (the shard group's), under
+    CommPolicy ``policy`` and a custom all-gather ``custom`` (torch's AllGather protocol, or None; a quantized
+    all-gather runs the group's own): [Note: gather forms], [Note: one collective seam] in collective.py."""
     if policy.all_gather is not None:
-        return QuantizedGather(params, ranks, policy.all_gather, policy.block_size)
+        return QuantizedGather(params, ranks, collective, policy.all_gather, policy.block_size)
+    gathering = collective if custom is None else CustomAllGather(collective, custom)
     dtype = one_dtype(params)
     if dtype is None:
-        return ByteGather(params, ranks, custom)
-    return PlainGather(params, ranks, dtype, custom)
+        return ByteGather(params, ranks, gathering)
+    return PlainGather(params, ranks, dtype, gathering)
 
 
 def one_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype | None:
@@ -127,17 +137,18 @@ def quantized_gather_problem(params: list[tuple[str, torch.dtype | None, bool]])
 class PlainGather:
     """Parameters of one all-gather dtype: their flat shards, cast in the copy-in."""
 
-    def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, dtype: torch.dtype, custom: Any) -> None:
-        self.params, self.ranks, self.dtype, self.custom = params, ranks, dtype, custom
+    def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, dtype: torch.dtype, collective: Collective) -> None:
+        self.params, self.ranks, self.dtype, self.collective = params, ranks, dtype, collective
         self.sources = [p.flat_shard for p in params]  # views made once: [Note: hot path]
         self.numels = [p.padded_numel for p in params]
         contiguous = params[0].layout.gathered_is_contiguous  # the parameter is a view of its gathered rows
-        self.direct = len(params) == 1 and contiguous and custom is None  # [Note: copy-out by views]
+        # [Note: copy-out by views]; a user's all-gather allocates its own output
+        self.direct = len(params) == 1 and contiguous and not collective.user_buffers
 
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         into = self.params[0].alloc_unsharded() if self.direct else None
         return issue_all_gather(
-            self.sources, self.numels, self.ranks, self.dtype, comm, custom=self.custom, into=into, meters=meters
+            self.sources, self.numels, self.ranks, self.dtype, comm, self.collective, into=into, meters=meters
         )
 
     def copy_out(self, output: torch.Tensor) -> bool:
@@ -151,15 +162,15 @@ class PlainGather:
 
     def chunks(self, sub: Ranks) -> Regather | None:
         buffer, numels = post_forward_shards(self.params, sub.size, sub.rank)
-        return Regather(self.params, sub, buffer, numels, sub.size)
+        return Regather(self.params, sub, buffer, numels, sub.size, self.collective.plain())
 
 
 class ByteGather:
     """Parameters of several all-gather dtypes, or with all-gather hooks: one uint8 collective
     ([Note: byte all-gather], [Note: all-gather extension])."""
 
-    def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, custom: Any) -> None:
-        self.params, self.ranks, self.custom = params, ranks, custom
+    def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, collective: Collective) -> None:
+        self.params, self.ranks, self.collective = params, ranks, collective
         self.offloaded = params[0].offload_to_cpu  # [Note: offloaded hooked parameters]
         self.numels: list[int] = []
 
@@ -167,7 +178,7 @@ class ByteGather:
         # offloaded: device copy + pre hook on the copy-in stream, [Note: offloaded hooked parameters]
         with comm.on("all_gather_copy_in") if self.offloaded else nullcontext():
             sources, self.numels = byte_sources(self.params)
-        return issue_all_gather(sources, self.numels, self.ranks, torch.uint8, comm, custom=self.custom, meters=meters)
+        return issue_all_gather(sources, self.numels, self.ranks, torch.uint8, comm, self.collective, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_all_gather(output, self.params, self.ranks.size, self.numels, as_bytes=True)
@@ -180,7 +191,7 @@ class ByteGather:
         size = self.ranks.size
         per = size // sub.size
         kept = output.view(size, -1)[sub.rank * per : (sub.rank + 1) * per].reshape(-1).clone()
-        return Regather(self.params, sub, kept, list(self.numels), size)
+        return Regather(self.params, sub, kept, list(self.numels), size, self.collective.plain())
 
     def chunks(self, sub: Ranks) -> Regather | None:
         return None  # no one-dtype rows to cut: only what kept_slots kept
@@ -190,8 +201,10 @@ class QuantizedGather(PlainGather):
     """``CommPolicy(all_gather="int8"|"fp8")``: block-quantized codes and scales of one-dtype floating-point
     shards, decoded at the copy-out ([Note: quantized collectives]); regathers in full precision."""
 
-    def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, kind: str, block: int) -> None:
-        super().__init__(params, ranks, params[0].param_dtype, None)
+    def __init__(
+        self, params: tuple[FSDPParam, ...], ranks: Ranks, collective: Collective, kind: str, block: int
+    ) -> None:
+        super().__init__(params, ranks, params[0].param_dtype, collective)
         self.direct = False
         self.kind, self.block = kind, block
         self.staging: torch.Tensor | None = None  # the block-aligned segments, made at the first use
@@ -204,7 +217,7 @@ class QuantizedGather(PlainGather):
         codes, scales = encode_group(self.params, self.staging, comm, self.kind, self.block)
         self.code_bytes = codes.numel()
         sizes = [codes.numel(), scales.numel()]
-        return issue_all_gather([codes, scales], sizes, self.ranks, torch.uint8, comm, meters=meters)
+        return issue_all_gather([codes, scales], sizes, self.ranks, torch.uint8, comm, self.collective, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_quantized(output, self.params, self.ranks.size, self.code_bytes, kind=self.kind, block=self.block)
@@ -216,9 +229,16 @@ class Regather:
     k ranks of ``sub`` rebuilds every parameter ([Note: post-forward reshard])."""
 
     def __init__(
-        self, params: tuple[FSDPParam, ...], sub: Ranks, buffer: torch.Tensor, numels: list[int], slots: int
+        self,
+        params: tuple[FSDPParam, ...],
+        sub: Ranks,
+        buffer: torch.Tensor,
+        numels: list[int],
+        slots: int,
+        collective: Collective,
     ) -> None:
         self.params, self.sub, self.buffer, self.numels = params, sub, buffer, numels
+        self.collective = collective  # the runtime's own, over the k ranks of sub
         self.slots = slots  # rows of the regathered output: k chunks, or the shard group's byte slots
         self.as_bytes = buffer.dtype == torch.uint8
         self.rebuilding = tuple(p.unit for p in params if p.unit.rebuilds)
@@ -226,7 +246,8 @@ class Regather:
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
         for unit in self.rebuilding:
             unit.reallocate()  # its hook is not called again
-        return issue_all_gather([self.buffer], [self.buffer.numel()], self.sub, self.buffer.dtype, comm, meters=meters)
+        sizes = [self.buffer.numel()]
+        return issue_all_gather([self.buffer], sizes, self.sub, self.buffer.dtype, comm, self.collective, meters=meters)
 
     def copy_out(self, output: torch.Tensor) -> bool:
         copy_out_all_gather(output, self.params, self.slots, self.numels, as_bytes=self.as_bytes)
@@ -245,13 +266,13 @@ def issue_all_gather(
     ranks: Ranks,
     dtype: torch.dtype,
     comm: Comm,
+    collective: Collective,
     *,
-    custom: Any = None,
     into: torch.Tensor | None = None,
     meters: Meters,
 ) -> AllGatherResult:
     """Copy ``sources`` (this rank's flat padded shards, ``numels`` elements each) into this rank's slot
-    of one flat buffer and start one in-place all-gather over ``ranks``.
+    of one flat buffer and start one in-place all-gather over ``ranks`` with ``collective``, placed by ``comm``.
 
     The input is a view of the output (``output[rank * group_numel : (rank + 1) * group_numel]``), so the
     all-gather allocates the group's bytes once: [Note: buffer lifetime]. ``into``: the output is that
@@ -260,12 +281,8 @@ def issue_all_gather(
     group_numel = sum(numels)
     with comm.on("all_gather_copy_in"):
         size = ranks.size * group_numel
-        if into is not None:
-            all_gather_output = into
-        elif custom is not None:  # set_custom_all_gather: the user's allocator
-            all_gather_output = custom.allocate((size,), dtype=dtype, device=comm.device)
-        else:
-            all_gather_output = torch.empty(size, dtype=dtype, device=comm.device)
+        # the collective's buffer (set_custom_all_gather: the user's allocator), or the one given
+        all_gather_output = into if into is not None else collective.gather_buffer((size,), dtype, comm.device)
         all_gather_input = all_gather_output.narrow(0, ranks.rank * group_numel, group_numel)  # (group_numel,)
         if sources[0].device == all_gather_input.device:  # copy-in, cast to the all-gather dtype: one op
             torch.cat(sources, out=all_gather_input)
@@ -273,16 +290,7 @@ def issue_all_gather(
             torch._foreach_copy_(torch.split(all_gather_input, numels), sources, non_blocking=True)
     copied_in = comm.record("all_gather_copy_in")
     with comm.after("all_gather", copied_in):  # the collective reads what the copy-in wrote
-        work = None
-        if custom is not None:
-            work = custom(
-                output_tensor=all_gather_output,
-                input_tensor=all_gather_input,
-                group=ranks.group,
-                async_op=comm.async_work,
-            )
-        elif ranks.size > 1:  # one rank: the copy-in already wrote the whole output, as torch sends nothing
-            work = all_gather_flat(all_gather_output, all_gather_input, group=ranks.group, async_op=comm.async_work)
+        work = collective.all_gather(all_gather_output, all_gather_input, ranks, async_op=comm.async_work)
     meters.count("all_gather", (ranks.size - 1) * all_gather_input.nbytes)  # a ring: every other rank's slot
     return AllGatherResult(all_gather_output, all_gather_input, work, comm.record("all_gather"))
 

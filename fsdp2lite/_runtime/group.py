@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..policies import CommPolicy, reduce_dtype_problem_by_policy
 from .choices import GroupChoices
+from .collective import collective_for
 from .comm import Comm
 from .controls import GroupControls
 from .gather import GatherForm, PendingUnshard
@@ -80,6 +81,7 @@ class FSDPParamGroup(GroupChoices):
         self.set_reshard_after_forward(settings.reshard_as_built)  # checked by the plan: [Note: one plan]
         self.requires_all_reduce = True
         self.reduce_scatter_group = None
+        self.collective = collective_for(self.mesh_info.shard_group, self.mesh_info.device)  # once per group
         self.custom_all_gather = self.custom_reduce_scatter = None
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         # after the packing, which writes the shards: the storages' watches start from the packed versions

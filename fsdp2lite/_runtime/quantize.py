@@ -30,7 +30,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from .comm import Comm
 from .fused_quantize import run_fused
@@ -77,19 +76,15 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.d
     return rows.reshape(*lead, blocks * block).to(dtype)
 
 
-def exchange_rows(
-    rank_major: torch.Tensor, mode: str, block: int, group: dist.ProcessGroup, async_op: bool
-) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-    """The all-to-all reduce-scatter's send: row j of ``rank_major`` (shard_size, group_numel) to rank j,
+def exchange_rows(rank_major: torch.Tensor, mode: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-to-all reduce-scatter's send: row j of ``rank_major`` (shard_size, group_numel) for rank j,
     as is (``all_to_all``) or encoded (``int8``: its codes then its scales, one byte row). Returns (what
-    was sent, the (shard_size, row) buffer being received into, the work)."""
+    to send, the (shard_size, row) buffer to receive into); the form runs the all-to-all."""
     send = rank_major
     if mode == "int8":
         codes, scales = run_fused("encode", encode, rank_major, block, "int8")  # per destination row: its blocks
         send = torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=1)
-    received = torch.empty_like(send)
-    work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
-    return send, received, work
+    return send, torch.empty_like(send)
 
 
 def sum_received(received: torch.Tensor, mode: str, group_numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:

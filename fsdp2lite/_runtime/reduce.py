@@ -32,20 +32,22 @@ for the shard group, chosen by ``choose_reduce`` at construction and again by ``
 chosen by ``set_requires_all_reduce`` and HFSDP:
 
     NativeReduceScatter  the backend's reduce-scatter (NCCL, the fake process group), or the user's
-    InPlaceReduce        gloo, and one rank: an all-reduce in place ([Note: gloo reduce-scatter])
+    InPlaceReduce        a gloo collective, and one rank: an all-reduce in place ([Note: gloo reduce-scatter])
     AllToAllReduce       CommPolicy(reduce_scatter="all_to_all"|"int8"): rows exchanged, summed on arrival
     NoReplicas | ReplicaAllReduce (HSDP) | ReplicaReduceScatter (HFSDP) | DeferredReplicas (all-reduce off):
                          the replica steps, in replica_step.py
 
 Every form shares the copy-in (``ReduceForm.issue``); the result carries the form that finishes it, so the
-group's post-backward and its finish call them without asking which they are.
+group's post-backward and its finish call them without asking which they are. Each form sends through the
+``Collective`` it was made with (the shard group's, or the user's around it: [Note: one collective seam] in
+collective.py); which one, native or gloo's in-place, was decided once for the process group.
 
 [Note: gloo reduce-scatter]
 gloo has no reduce-scatter algorithm: torch's gloo backend runs ``reduce_scatter_tensor`` as a clone of
 the whole input, an all-reduce of the clone, and a copy of this rank's chunk out of it when waited on;
-the clone lives as long as the Work. On a gloo group fsdp2lite issues that all-reduce itself, in place
-on ``reduce_scatter_input``, and takes this rank's slot of it as the output (cloned once waited, so the
-flat buffer can go). The same example as above:
+the clone lives as long as the Work. On a gloo group fsdp2lite issues that all-reduce itself (its collective
+is ``GlooInPlace``), in place on ``reduce_scatter_input``, and takes this rank's slot of it as the output
+(cloned once waited, so the flat buffer can go). The same example as above:
 
     rank0 reduce_scatter_input [1 2 4 | 3 0 5], rank1 [3 4 6 | 5 0 7]
     all-reduce(sum), in place -> both [4 6 10 | 8 0 12]
@@ -62,19 +64,18 @@ On every other backend (NCCL, the fake process group) the reduce-scatter is a na
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..policies import CommPolicy
+from .collective import Collective, CustomReduceScatter, ReduceScatterComm
 from .comm import Comm, Ranks
 from .grads import to_one_dtype
 from .param import FSDPParam
 from .quantize import exchange_rows, sum_received
 from .trace import Meters
-
-# torch 2.13 renamed the flat collectives (the old names warn); torch 2.6-2.12 only have the old ones.
-_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @torch.library.custom_op("fsdp2lite::chunk_cat", mutates_args=("out",))
@@ -89,42 +90,6 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -
 @chunk_cat.register_fake
 def _chunk_cat_fake(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
     return None
-
-
-def reduces_in_place(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """True when ``group`` reduces CPU tensors with gloo: [Note: gloo reduce-scatter]."""
-    if device.type != "cpu":
-        return False  # CUDA tensors go through NCCL's native reduce-scatter and the stream schedule
-    return cpu_backend(str(dist.get_backend(group))) == "gloo"
-
-
-def cpu_backend(backend: str) -> str:
-    """The backend a process group's backend string uses for CPU tensors: "gloo" -> "gloo",
-    "cpu:gloo,cuda:nccl" -> "gloo", "nccl" -> "nccl" (it has no CPU backend of its own)."""
-    for part in backend.split(","):
-        device, _, name = part.rpartition(":")
-        if device in ("", "cpu"):
-            return name
-    return backend
-
-
-def _reduce_scatter_flat(
-    reduce_scatter_output: torch.Tensor,
-    reduce_scatter_input: torch.Tensor,
-    *,
-    group: dist.ProcessGroup,
-    in_place: bool,
-    async_op: bool,
-) -> dist.Work | None:
-    """One reduce-scatter(sum): ``reduce_scatter_input`` (shard_size * n,) into ``reduce_scatter_output`` (n,).
-
-    ``in_place`` (gloo): the output is this rank's slot of the input and the input is all-reduced in
-    place ([Note: gloo reduce-scatter])."""
-    if in_place:
-        return dist.all_reduce(reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _native_reduce_scatter(
-        reduce_scatter_output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
-    )
 
 
 class ReduceScatterResult(NamedTuple):
@@ -143,9 +108,9 @@ class ReduceForm:
     """How a group reduce-scatters ([Note: reduce forms]): the copy-in is every form's, the collective and
     what finishing it takes are each form's own."""
 
-    def __init__(self, ranks: Ranks, custom: Any = None) -> None:
+    def __init__(self, ranks: Ranks, collective: Collective) -> None:
         self.ranks = ranks
-        self.allocate = custom.allocate if custom is not None else torch.empty  # set_custom_reduce_scatter
+        self.collective = collective  # what it calls: [Note: one collective seam] in collective.py
 
     def issue(
         self, params: tuple[FSDPParam, ...], grads: list[torch.Tensor], comm: Comm, meters: Meters
@@ -162,7 +127,8 @@ class ReduceForm:
         size = self.ranks.size
         # On the compute stream, where the grads were written: reading them needs no event, and the
         # buffer is only released after the compute stream has waited on the reduce-scatter.
-        reduce_scatter_input = self.allocate((size * group_numel,), dtype=dtype, device=comm.device)
+        # the collective's buffer: set_custom_reduce_scatter's allocator
+        reduce_scatter_input = self.collective.reduce_buffer((size * group_numel,), dtype, comm.device)
         rank_major = reduce_scatter_input.view(size, group_numel)
         # copy-in: chunk each grad into shard_size padded row blocks, rank-major, cast in one pass
         chunk_cat(grads, size, rank_major)
@@ -187,27 +153,20 @@ class ReduceForm:
 
 
 class NativeReduceScatter(ReduceForm):
-    """The backend's reduce-scatter (NCCL, the fake process group), or the user's (``custom``)."""
+    """The backend's reduce-scatter (NCCL, the fake process group), or the user's (``CustomReduceScatter``,
+    whose bytes are not counted: what it sends is its own)."""
 
-    def __init__(self, ranks: Ranks, custom: Any = None) -> None:
-        super().__init__(ranks, custom)
-        self.custom = custom
+    def __init__(self, ranks: Ranks, collective: Collective, counted: bool = True) -> None:
+        super().__init__(ranks, collective)
+        self.counted = counted
 
     def start(
         self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        output = self.allocate((rank_major.shape[1],), dtype=rank_major.dtype, device=comm.device)
-        if self.custom is not None:
-            work = self.custom(
-                output_tensor=output,
-                input_tensor=flat,
-                group=self.ranks.group,
-                op=dist.ReduceOp.SUM,
-                async_op=comm.async_work,
-            )
-            return output, flat, work
-        work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=False, async_op=comm.async_work)
-        meters.count("reduce_scatter", flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
+        output = self.collective.reduce_buffer((rank_major.shape[1],), rank_major.dtype, comm.device)
+        work = self.collective.reduce_scatter(output, flat, self.ranks, async_op=comm.async_work)
+        if self.counted:
+            meters.count("reduce_scatter", flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
         return output, flat, work
 
 
@@ -221,7 +180,8 @@ class InPlaceReduce(ReduceForm):
         output = rank_major[self.ranks.rank]  # (group_numel,) view
         if self.ranks.size == 1:
             return output, flat, None  # one rank sends nothing, as torch's
-        work = _reduce_scatter_flat(output, flat, group=self.ranks.group, in_place=True, async_op=comm.async_work)
+        # a gloo collective: the flat input all-reduced in place, output its slot
+        work = self.collective.reduce_scatter(output, flat, self.ranks, async_op=comm.async_work)
         meters.count("all_reduce", 2 * flat.nbytes * (self.ranks.size - 1) // self.ranks.size)
         return output, flat, work
 
@@ -238,14 +198,15 @@ class AllToAllReduce(ReduceForm):
     """``CommPolicy(reduce_scatter="all_to_all"|"int8")``: row j of the input sent to rank j (int8: encoded),
     the rows received summed at the finish ([Note: quantized collectives])."""
 
-    def __init__(self, ranks: Ranks, mode: str, block: int) -> None:
-        super().__init__(ranks)
+    def __init__(self, ranks: Ranks, collective: Collective, mode: str, block: int) -> None:
+        super().__init__(ranks, collective)
         self.mode, self.block = mode, block
 
     def start(
         self, flat: torch.Tensor, rank_major: torch.Tensor, comm: Comm, meters: Meters
     ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
-        send, received, work = exchange_rows(rank_major, self.mode, self.block, self.ranks.group, comm.async_work)
+        send, received = exchange_rows(rank_major, self.mode, self.block)
+        work = self.collective.all_to_all(received, send, self.ranks, async_op=comm.async_work)
         meters.count("all_to_all", send.nbytes * (self.ranks.size - 1) // self.ranks.size)  # every row but its own
         return received, send, work
 
@@ -271,16 +232,16 @@ def one_reduce_dtype(params: tuple[FSDPParam, ...]) -> torch.dtype:
     return dtype
 
 
-def choose_reduce(ranks: Ranks, device: torch.device, policy: Any, custom: Any, in_place: bool | None) -> ReduceForm:
-    """The reduce form of a group over ``ranks`` on ``device``: the user's reduce-scatter (``custom``), CommPolicy
-    ``policy``'s all-to-all, in place (gloo, one rank; ``in_place`` overrides the backend's answer), or the
-    backend's reduce-scatter ([Note: reduce forms])."""
+def choose_reduce(
+    ranks: Ranks, policy: CommPolicy, collective: Collective, custom: ReduceScatterComm | None
+) -> ReduceForm:
+    """The reduce form of a group over ``ranks`` with ``collective`` (the shard group's): the user's
+    reduce-scatter (``custom``), CommPolicy ``policy``'s all-to-all, in place (a gloo collective, one rank), or
+    the backend's reduce-scatter ([Note: reduce forms], [Note: one collective seam] in collective.py)."""
     if custom is not None:
-        return NativeReduceScatter(ranks, custom)
+        return NativeReduceScatter(ranks, CustomReduceScatter(collective, custom), counted=False)
     if policy.reduce_scatter is not None and ranks.size > 1:
-        return AllToAllReduce(ranks, policy.reduce_scatter, policy.block_size)
-    if in_place is None:
-        in_place = reduces_in_place(ranks.group, device)
-    if in_place or ranks.size == 1:
-        return InPlaceReduce(ranks)
-    return NativeReduceScatter(ranks)
+        return AllToAllReduce(ranks, collective, policy.reduce_scatter, policy.block_size)
+    if collective.in_place or ranks.size == 1:
+        return InPlaceReduce(ranks, collective)
+    return NativeReduceScatter(ranks, collective)

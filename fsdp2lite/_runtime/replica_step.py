@@ -10,16 +10,14 @@ reduce.py), chosen by ``choose_replica_step`` (choices.py) at construction and a
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
-from .comm import Comm
+from .collective import Collective
+from .comm import Comm, Ranks
 from .param import FSDPParam
 from .trace import Meters
-
-_all_reduce = dist.all_reduce
 
 
 class ReplicaStep(Protocol):
@@ -29,6 +27,14 @@ class ReplicaStep(Protocol):
         self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
     ) -> torch.Tensor | None:
         """``output`` reduced across the replicas (None: kept on the parameters for a later step)."""
+        ...
+
+
+class ReplicaReduction(Protocol):
+    """HFSDP's reduce-scatter across the replicas, as the replica step calls it (``replicas.ReplicaSync``)."""
+
+    def reduce_scatter(self, output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.Tensor:
+        """The shard-axis ``output`` reduce-scattered across the replicas into each parameter's piece slot."""
         ...
 
 
@@ -47,17 +53,18 @@ class ReplicaAllReduce:
     Example, 2 replicas x 2 shards: rank (r0,s0) holds after the reduce-scatter the sum of s0-slots over its
     replica; the all-reduce adds replica r1's sum for the same slot; dividing by 4 gives DDP's mean."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.replicas = dist.get_world_size(group)
+    def __init__(self, replicas: Ranks, collective: Collective) -> None:
+        self.replicas = replicas  # the replicate group
+        self.collective = collective  # its collectives, chosen once: [Note: one collective seam]
 
     def reduce(
         self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
     ) -> torch.Tensor | None:
         with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
             folded = [param.add_partial_reduced_grad(slot) for param, slot in _slots(output, params)]
-            work = _all_reduce(output, op=dist.ReduceOp.SUM, group=self.group, async_op=comm.async_work)
-            meters.count("replica_all_reduce", 2 * output.nbytes * (self.replicas - 1) // self.replicas)
+            work = self.collective.all_reduce(output, self.replicas, async_op=comm.async_work)
+            size = self.replicas.size
+            meters.count("replica_all_reduce", 2 * output.nbytes * (size - 1) // size)
         comm.wait(work, comm.record("all_reduce"))  # compute reads the all-reduced output from here on
         del folded  # compute-stream tensors the all-reduce stream read: released once compute waited
         return output
@@ -67,7 +74,7 @@ class ReplicaReduceScatter:
     """HFSDP: kept replica-local sums folded in, then a reduce-scatter across the replicas into each rank's
     pieces ([Note: replica-sharded groups])."""
 
-    def __init__(self, replicas: Any) -> None:
+    def __init__(self, replicas: ReplicaReduction) -> None:
         self.replicas = replicas  # the group's ReplicaSync
 
     def reduce(

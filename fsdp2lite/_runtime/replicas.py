@@ -20,6 +20,10 @@ A step:
 - the optimizer steps the pieces: its state is 1/(R*S) of the total per rank where HSDP's is 1/S;
 - the next unshard first all-gathers the pieces across the replicas back into the chunk (one collective per
   group), then runs the shard-axis all-gather as HSDP does.
+Both replica collectives go through the replicate group's ``Collective`` (chosen once, at construction: gloo's
+in-place reduce-scatter or the native one) and are placed by ``Comm`` as the shard-axis ones are: on CUDA on the
+side streams, the compute stream waiting on their events; on CPU issued ``async_op=True``, the Work waited just
+before the output is read ([Note: one collective seam] in collective.py).
 
 When the replica all-gather runs: after a backward reduced gradients into the pieces (the same on every
 replica, so all of them take part; an optimizer step is expected to follow), and for any parameter whose
@@ -36,12 +40,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .comm import all_gather_flat
+from .collective import collective_for
+from .comm import Ranks
 from .extension import contiguous_stride
 from .layout import ShardLayout
 from .param import FSDPParam, ShardStorage
 from .pinned import host_buffer
-from .reduce import _reduce_scatter_flat, reduces_in_place
 from .seams import GroupView
 from .zero import ShardRefresher, ShardWatch
 
@@ -110,10 +114,12 @@ class ReplicaSync(ShardRefresher):
     """An HFSDP group's replica collectives and the freshness of its chunks ([Note: replica-sharded groups])."""
 
     def __init__(self, group: GroupView) -> None:
-        if group.mesh_info.replicate_group is None:
+        info = group.mesh_info
+        if info.replicate_group is None:
             raise RuntimeError(f"{group.name}: replica-sharded on a 1-D mesh (fully_shard checks the mesh first)")
         self.group = group
-        self.replicate_group = group.mesh_info.replicate_group
+        self.ranks = Ranks(info.replicate_group, info.replicate_size, info.mesh.get_local_rank(0))  # the replicas
+        self.collective = collective_for(info.replicate_group, info.device)  # once: [Note: one collective seam]
         self.watch = ShardWatch(list(group.params))  # stale: gradients were reduced, or the chunks were reset
         self.gathers = 0  # replica all-gathers run (tests and trace read it)
 
@@ -127,29 +133,35 @@ class ReplicaSync(ShardRefresher):
         self.watch.record()
 
     def _all_gather(self, params: list[FSDPParam]) -> None:
-        """One all-gather (as bytes: the parameters may differ in dtype) of the pieces into the chunks."""
-        info, comm = self.group.mesh_info, self.group.comm
+        """One all-gather (as bytes: the parameters may differ in dtype) of the pieces into the chunks, placed by
+        ``Comm`` as the shard-axis one is (``gather.issue_all_gather``): copy-in and collective on side streams
+        (CUDA), a Work waited just before the copy back reads it (CPU)."""
+        comm, replicas = self.group.comm, self.ranks.size
         sizes = [p.reduced_numel * p.padded_shard.element_size() for p in params]
-        send = torch.zeros(sum(sizes), dtype=torch.uint8, device=comm.device)
-        for param, piece in zip(params, send.split(sizes)):
-            rows = pieces(param).piece.local_of(param.padded_shard)
-            piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
-        received = torch.empty(info.replicate_size * send.numel(), dtype=torch.uint8, device=comm.device)
-        all_gather_flat(received, send, group=self.replicate_group)
-        received = received.view(info.replicate_size, send.numel())
-        self.group.meters.count("replica_all_gather", send.nbytes * (info.replicate_size - 1))
+        with comm.on("all_gather_copy_in"):  # after the compute stream: the optimizer wrote the pieces there
+            send = torch.zeros(sum(sizes), dtype=torch.uint8, device=comm.device)
+            for param, piece in zip(params, send.split(sizes)):
+                rows = pieces(param).piece.local_of(param.padded_shard)
+                piece[: rows.numel() * rows.element_size()].copy_(rows.reshape(-1).view(torch.uint8))
+            received = self.collective.gather_buffer((replicas * send.numel(),), torch.uint8, comm.device)
+        with comm.after("all_gather", comm.record("all_gather_copy_in")):  # the collective reads the copy-in
+            work = self.collective.all_gather(received, send, self.ranks, async_op=comm.async_work)
+        self.group.meters.count("replica_all_gather", send.nbytes * (replicas - 1))
+        comm.wait(work, comm.record("all_gather"))  # the copy back below reads the gathered pieces
+        received = received.view(replicas, send.numel())
         for param, columns in zip(params, received.split(sizes, dim=1)):
             chunks = columns.contiguous().view(param.padded_shard.dtype)
-            rows = chunks.view(info.replicate_size * pieces(param).piece.padded_rows, *param.gather_shape[1:])
+            rows = chunks.view(replicas * pieces(param).piece.padded_rows, *param.gather_shape[1:])
             local_rows = param.layout.local_rows
             param.padded_shard.narrow(0, 0, local_rows).copy_(rows[:local_rows])
+        comm.release(send)  # waited on and copied back: freed now, not when gloo lets go of its Work
+        comm.release(received)
 
     def reduce_scatter(self, output: torch.Tensor, params: tuple[FSDPParam, ...]) -> torch.Tensor:
         """The shard-axis reduce-scatter's ``output`` (each parameter's chunk gradient, summed over its replica)
         reduce-scattered across the replicas: each parameter's piece gradient, summed over every rank, in
-        slots of ``reduced_numel``. Replaces HSDP's all-reduce."""
-        info, comm = self.group.mesh_info, self.group.comm
-        replicas = info.replicate_size
+        slots of ``reduced_numel``. Replaces HSDP's all-reduce; placed by ``Comm`` as HSDP's all-reduce is."""
+        comm, replicas = self.group.comm, self.ranks.size
         blocks = []
         for param, slot in zip(params, output.split([p.padded_numel for p in params])):
             rows = slot.view(param.layout.padded_rows, -1)
@@ -161,10 +173,15 @@ class ReplicaSync(ShardRefresher):
         self.watch.stale = True  # the pieces get new gradients: an optimizer step follows
         if replicas == 1:
             return send[0]
-        in_place = reduces_in_place(self.replicate_group, comm.device)
-        received = send[info.mesh.get_local_rank(0)] if in_place else torch.empty_like(send[0])
-        _reduce_scatter_flat(received, send, group=self.replicate_group, in_place=in_place, async_op=False)
+        in_place = self.collective.in_place  # gloo: this rank's slot of send, all-reduced in place
+        received = send[self.ranks.rank] if in_place else torch.empty_like(send[0])
+        # send and received are compute-stream tensors, dropped after compute waited: [Note: CUDA buffer lifetime]
+        with comm.after("all_reduce", comm.record_current()):  # the collective reads send, written on compute
+            work = self.collective.reduce_scatter(received, send, self.ranks, async_op=comm.async_work)
+        comm.wait(work, comm.record("all_reduce"))  # compute reads the reduced pieces from here on
         ring = send.nbytes * (replicas - 1) // replicas
         kind = "replica_all_reduce" if in_place else "replica_reduce_scatter"
         self.group.meters.count(kind, 2 * ring if in_place else ring)
-        return received.clone() if in_place else received
+        reduced = received.clone() if in_place else received  # in place: off send, which goes now
+        comm.release(send)  # waited on: freed now, not when gloo lets go of its Work
+        return reduced

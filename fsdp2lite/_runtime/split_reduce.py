@@ -37,7 +37,7 @@ class SplitReduce(ReduceForm):
     reduce dtype ([Note: per-parameter mixed precision])."""
 
     def __init__(self, inner: ReduceForm) -> None:
-        super().__init__(inner.ranks)
+        super().__init__(inner.ranks, inner.collective)
         self.inner = inner
 
     def issue(

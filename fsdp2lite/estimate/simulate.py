@@ -148,6 +148,7 @@ def held_by_rows(model: nn.Module, paths: set[str]) -> None:
 def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) -> None:
     """The target device's schedule defaults where the config says ``auto``, and its reduction: gloo's
     in-place all-reduce on ``cpu``, a native reduce-scatter on ``cuda``."""
+    from .._runtime.collective import GlooInPlace, Native
     from .._runtime.root import schedule_defaults
     from ..module import FSDPModule
 
@@ -157,7 +158,7 @@ def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) ->
             getattr(model, setter)(getattr(defaults, key))
     for module in model.modules():
         if isinstance(module, FSDPModule) and module._fsdp_state.group is not None:
-            module._fsdp_state.group.choose_reduce(in_place=device == "cpu")
+            module._fsdp_state.group.set_collective(GlooInPlace() if device == "cpu" else Native())
 
 
 def _phases(

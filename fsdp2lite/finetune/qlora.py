@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .._runtime.comm import all_gather_flat
+from .._runtime.collective import all_gather_flat
 from .._runtime.layout import ShardLayout
 from .._summary import summarized
 from .deps import require_libraries
