@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from _collectives import delayed_collectives, recorded_collectives
 from _dist import spawn, spawn_checks
 from _models import UnevenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss, tiny_gpt
 from _parity import full, torch_shard, train_and_compare
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp2lite as fl
 
@@ -274,6 +277,57 @@ def scenario_policy_file(rank: int, ws: int) -> None:
         assert torch.equal(losses[0], losses[1]), step
 
 
+class RecordingComm:
+    """torch's AllGather / ReduceScatter protocol over plain c10d, recording the group of each call."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.groups, self.allocations = kind, [], 0
+
+    def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201
+        self.allocations += 1
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):  # noqa: ANN001, ANN204
+        self.groups.append(group)
+        if self.kind == "all_gather":
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def scenario_collectives_through_the_seam(rank: int, ws: int) -> None:
+    """Every collective of an HFSDP step goes through the runtime's one seam ([Note: one collective seam]): as many
+    calls of its Collectives and of the user's objects as c10d collectives CommDebugMode sees; each issued async
+    (on CPU a Work its consumer waits on), the replica all-gather and reduce-scatter once per group on the
+    replicate group. With every collective the runtime issues run late on a worker thread (its output written
+    only when waited on), HFSDP still matches DDP exactly: each replica collective is waited before it is read."""
+    mesh = mesh22()
+    replicate_group, shard_group = mesh.get_group(0), mesh.get_group(1)
+    torch.manual_seed(0)
+    model = EvenMLP()
+    shard(HFSDP, mesh)(model)
+    gather, reduce = RecordingComm("all_gather"), RecordingComm("reduce_scatter")
+    model.blocks[0].set_custom_all_gather(gather)
+    model.blocks[0].set_custom_reduce_scatter(reduce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mlp_loss(model, even_batch(0, rank)).backward()
+    opt.step()  # the pieces moved: the next unshard of each group all-gathers them across the replicas
+    opt.zero_grad()
+    gather.groups.clear()
+    reduce.groups.clear()
+    with CommDebugMode() as mode, recorded_collectives() as calls:
+        mlp_loss(model, even_batch(1, rank)).backward()
+    users = len(gather.groups) + len(reduce.groups)
+    assert users == 2 + 1 and set(gather.groups + reduce.groups) == {shard_group}, (gather.groups, reduce.groups)
+    assert sum(mode.get_comm_counts().values()) == len(calls) + users, (mode.get_comm_counts(), calls)
+    assert all(async_op for *_, async_op in calls), calls
+    across = sorted(kind for kind, ranks, _, _ in calls if ranks.group is replicate_group)
+    groups = len(_groups(model))
+    assert across == ["all_gather"] * groups + ["reduce_scatter"] * groups, across
+    with delayed_collectives(0.002 * (rank + 1)):
+        torch.manual_seed(1)
+        train_and_compare(UnevenMLP(), shard(HFSDP), mlp_batch, mlp_loss, rank, steps=3, label="hfsdp delayed")
+
+
 def test_hfsdp_on_four_ranks() -> None:
     spawn_checks(
         4,
@@ -284,6 +338,7 @@ def test_hfsdp_on_four_ranks() -> None:
         scenario_never_stale,
         scenario_bf16_close_to_torch_hsdp,
         scenario_refusals,
+        scenario_collectives_through_the_seam,
     )
 
 
