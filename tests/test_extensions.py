@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from _dist import cpu_mesh, spawn_checks
 from _models import UnevenMLP, mlp_batch, mlp_loss
@@ -139,7 +138,7 @@ def check_int_reshard_with_hooks(rank: int, world_size: int) -> None:
     """reshard_after_forward=2 on 4 ranks (torch's fully_shard refuses an int for hooked parameters): each
     rank keeps two of the forward all-gather's four slots, the backward regathers them over 2 ranks without
     calling the pre hook again, and training matches DDP on the dequantized twin, uneven rows included."""
-    from test_hsdp import recorded_collectives
+    from _collectives import recorded_collectives
 
     torch.manual_seed(4)
     model = UnevenMLP()
@@ -157,8 +156,8 @@ def check_int_reshard_with_hooks(rank: int, world_size: int) -> None:
     pre_in_forward = QuantWeight.calls["pre"]
     with recorded_collectives() as backward_calls:
         loss.backward()
-    forward_gathers = [(dist.get_world_size(g), n) for kind, g, n in forward_calls if kind == "all_gather"]
-    backward_gathers = [(dist.get_world_size(g), n) for kind, g, n in backward_calls if kind == "all_gather"]
+    forward_gathers = [(ranks.size, n) for kind, ranks, n, _ in forward_calls if kind == "all_gather"]
+    backward_gathers = [(ranks.size, n) for kind, ranks, n, _ in backward_calls if kind == "all_gather"]
     assert [size for size, _ in forward_gathers] == [4, 4, 4], forward_gathers  # root, blocks 0 and 1
     assert [size for size, _ in backward_gathers] == [2, 2], backward_gathers  # blocks 1 and 0, k=2 ranks
     assert backward_gathers[0][1] == forward_gathers[2][1]  # the same bytes: the whole block's slots
