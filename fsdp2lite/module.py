@@ -135,7 +135,7 @@ class FSDPModule(_TorchFSDPModule):
         into the next all-reduce, so accumulating microbatches this way loses nothing."""
         check_bool("requires_all_reduce", requires_all_reduce)
         for group in self._groups(recurse):
-            group.set_requires_all_reduce(requires_all_reduce)
+            group.forms.set_requires_all_reduce(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the unsharded parameters after backward (False), e.g. across accumulation steps.
@@ -310,14 +310,14 @@ class FSDPModule(_TorchFSDPModule):
         ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
         ``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers (returns a Work or None)."""
         _check_custom_comm("set_custom_all_gather", comm)
-        self._own_group("set_custom_all_gather").set_custom_all_gather(comm)
+        self._own_group("set_custom_all_gather").forms.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Run this module's reduce-scatter through ``comm``, torch's ``ReduceScatter`` protocol:
         ``comm.allocate(size, dtype=, device=)`` makes the input and output buffers and
         ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` reduces (op is always SUM)."""
         _check_custom_comm("set_custom_reduce_scatter", comm)
-        self._own_group("set_custom_reduce_scatter").set_custom_reduce_scatter(comm)
+        self._own_group("set_custom_reduce_scatter").forms.set_custom_reduce_scatter(comm)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own over the same ranks (True), so it can progress while
@@ -326,7 +326,7 @@ class FSDPModule(_TorchFSDPModule):
         check_bool("enable", enable)
         created: dict[tuple[int, ...], Any] = {}
         for group in self._groups(recurse):
-            group.set_separate_reduce_scatter_group(enable, created)
+            group.forms.set_separate_reduce_scatter_group(enable, created)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """torch: buffers from the process group's allocator (NCCL). False is accepted; True raises."""

@@ -191,7 +191,7 @@ def test_comm_policy_type_and_off_is_the_default() -> None:
         fl.fully_shard(nn.Linear(2, 2), comm_policy={"all_gather": "int8"})  # type: ignore[arg-type]
     assert not fl.CommPolicy().active and fl.CommPolicy(all_gather="int8").active
     layer = fl.fully_shard(nn.Linear(4, 4), comm_policy=fl.CommPolicy())
-    assert not layer._fsdp_state.group.comm_policy.active  # off: today's path, untouched
+    assert not layer._fsdp_state.group.forms.comm_policy.active  # off: today's path, untouched
     block = WithCodes()
     with pytest.raises(ValueError, match=r"quantizes a group's parameters together, but these are not plain .*: codes"):
         fl.fully_shard(block, comm_policy=fl.CommPolicy(all_gather="int8"))
@@ -208,9 +208,9 @@ def test_yaml_communication_per_rule(tmp_path) -> None:  # type: ignore[no-untyp
         "wrap:\n  - match: {class: UnevenBlock}\n    communication: {all_gather: int8, block_size: 32}\n"
     )
     model = fl.apply_config(UnevenMLP(), fl.FSDPConfig.from_yaml(path))
-    block = model.blocks[0]._fsdp_state.group.comm_policy
+    block = model.blocks[0]._fsdp_state.group.forms.comm_policy
     assert (block.all_gather, block.reduce_scatter, block.block_size) == ("int8", "all_to_all", 32)
-    root = model._fsdp_state.group.comm_policy
+    root = model._fsdp_state.group.forms.comm_policy
     assert (root.all_gather, root.reduce_scatter) == (None, "all_to_all")
 
 

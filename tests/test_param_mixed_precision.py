@@ -129,8 +129,8 @@ def check_one_all_gather_and_a_reduction_per_dtype(rank: int, ws: int) -> None:
     block = model.blocks[0]
     block.up.register_forward_pre_hook(lambda m, args: seen.update(up=m.weight.dtype))
     block.norm.register_forward_pre_hook(lambda m, args: seen.update(norm=m.weight.dtype, input=args[0].dtype))
-    assert isinstance(block._fsdp_state.group.reduce, SplitReduce)
-    assert not isinstance(model._fsdp_state.group.reduce, SplitReduce)  # no overrides: one reduction
+    assert isinstance(block._fsdp_state.group.forms.reduce, SplitReduce)
+    assert not isinstance(model._fsdp_state.group.forms.reduce, SplitReduce)  # no overrides: one reduction
     with CollectiveDtypes() as mode:
         loss_of(model, 0, rank).backward()
     assert seen == {"up": torch.bfloat16, "norm": torch.float32, "input": torch.float32}, seen
@@ -185,7 +185,7 @@ def check_policy_file_matches_the_argument(rank: int, ws: int) -> None:
     by_file = copy.deepcopy(reference)
     fl.apply_config(by_file, fl.FSDPConfig.model_validate(POLICY_FILE))
     by_argument = shard_ours(copy.deepcopy(reference))
-    assert all(isinstance(block._fsdp_state.group.reduce, SplitReduce) for block in by_file.blocks)
+    assert all(isinstance(block._fsdp_state.group.forms.reduce, SplitReduce) for block in by_file.blocks)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (by_file, by_argument)]
     for step in range(3):
         losses = [loss_of(model, step, rank) for model in (by_file, by_argument)]
@@ -352,6 +352,6 @@ def test_hsdp_refuses_several_reduce_dtypes_and_takes_one() -> None:
         assert not isinstance(block, fl.FSDPModule) and _params(block) == before
         one_dtype = fl.MixedPrecisionPolicy(param_dtype="bf16", reduce_dtype="fp32")
         fl.fully_shard(block, mesh, mp_policy=one_dtype, mp_overrides=OVERRIDES)
-        assert isinstance(block._fsdp_state.group.reduce, SplitReduce)  # split, one part: issued as one
+        assert isinstance(block._fsdp_state.group.forms.reduce, SplitReduce)  # split, one part: issued as one
     finally:
         dist.destroy_process_group()

@@ -152,7 +152,7 @@ def scenario_device_schedule_variants(rank: int, ws: int) -> None:
         shard_blocks(None)(model)
         for module in model.modules():
             if isinstance(module, fl.FSDPModule):
-                module._fsdp_state.group.set_collective(Native())  # type: ignore[union-attr]
+                module._fsdp_state.group.forms.set_collective(Native())  # type: ignore[union-attr]
 
     with wrapped_collectives(counted):
         torch.manual_seed(0)

@@ -143,7 +143,7 @@ def _check_aligned(model: Net, ws: int) -> None:
             assert param.sharded_param._local_tensor is param.local_view  # the view of the new padded shard
             assert param.local_view.shape == param.layout.local_shape
             assert not param.layout.gathered_is_contiguous
-    assert not model.inp._fsdp_state.group.gather.direct  # type: ignore[union-attr]  # copied out of the gathered rows
+    assert not model.inp._fsdp_state.group.forms.gather.direct  # type: ignore[union-attr]  # copied out of the gathered rows
 
 
 def _assert_same(model: nn.Module, ref: nn.Module, what: str, grads: bool = False) -> None:
@@ -167,7 +167,7 @@ def _train_pair(rank: int, ws: int, what: str, same_batch: bool, steps: int = 3,
     """The aligned and the unaligned model, trained side by side: every loss, gradient and parameter equal."""
     ref, model = _build(1, **kwargs), _build(ALIGN, **kwargs)
     _check_aligned(model, ws)
-    direct = ref.inp._fsdp_state.group.gather.direct  # type: ignore[union-attr]
+    direct = ref.inp._fsdp_state.group.forms.gather.direct  # type: ignore[union-attr]
     assert direct == ("comm_policy" not in kwargs), f"{what}: the unaligned one-parameter group is gathered into itself"
     _assert_same(model, ref, f"{what} at start")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))

@@ -396,7 +396,7 @@ def check_comm_setters(rank: int, world_size: int) -> None:
     assert gather.calls == 2 * 2 and reduce.calls == 2, (gather.calls, reduce.calls)  # forward + backward each step
     assert gather.allocations == gather.calls and reduce.allocations == 2 * reduce.calls  # input and output
     groups = [m._fsdp_state.group for m in model.modules() if isinstance(m, fl.FSDPModule)]
-    assert all(g.reduce_scatter_group is groups[0].reduce_scatter_group is not None for g in groups)
+    assert all(g.forms.reduce_scatter_group is groups[0].forms.reduce_scatter_group is not None for g in groups)
     with pytest.raises(ValueError, match="max_input_buffers must be an int >= 1, got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="allocate"):

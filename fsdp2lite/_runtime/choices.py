@@ -24,8 +24,9 @@ from .replicas import ReplicaSync
 from .split_reduce import split_if_mixed
 
 
-class GroupChoices:
-    """A group's communication settings and the forms they choose (the base of ``FSDPParamGroup``)."""
+class GroupForms:
+    """A group's communication settings and the forms they choose (the group holds it as ``forms``; made at the
+    group's construction, then changed only by its setters)."""
 
     requires_all_reduce: bool  # HSDP: all-reduce across replicas after the reduce-scatter
     replicas: ReplicaSync | None  # HFSDP: [Note: replica-sharded groups]
@@ -37,8 +38,19 @@ class GroupChoices:
     custom_all_gather: AllGatherComm | None  # torch's AllGather protocol (allocate + __call__), or None
     custom_reduce_scatter: ReduceScatterComm | None  # torch's ReduceScatter protocol, or None
     comm_policy: CommPolicy  # quantized all-gather, all-to-all reduce-scatter: [Note: quantized collectives]
-    params: tuple[FSDPParam, ...]
-    mesh_info: MeshInfo
+
+    def __init__(
+        self, params: tuple[FSDPParam, ...], mesh_info: MeshInfo, replicas: ReplicaSync | None, policy: CommPolicy
+    ) -> None:
+        """The forms of a new group over ``params`` (their storages made) under its plan's ``policy``, checked by
+        the plan ([Note: one plan])."""
+        self.params, self.mesh_info, self.replicas = params, mesh_info, replicas
+        self.requires_all_reduce = True
+        self.reduce_scatter_group = None
+        self.collective = collective_for(mesh_info.shard_group, mesh_info.device)  # once per group
+        self.custom_all_gather = self.custom_reduce_scatter = None
+        self.set_comm_policy(policy)
+        self.choose_replica_step()
 
     def set_comm_policy(self, policy: CommPolicy) -> None:
         """Quantize the group's all-gather and pick its reduce-scatter's form ([Note: quantized collectives]);

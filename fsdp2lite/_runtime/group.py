@@ -12,9 +12,9 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn as nn
 
+from ..mesh import MeshInfo
 from ..policies import CommPolicy, reduce_dtype_problem_by_policy
-from .choices import GroupChoices
-from .collective import collective_for
+from .choices import GroupForms
 from .comm import Comm
 from .controls import GroupControls
 from .gather import GatherForm, PendingUnshard
@@ -24,18 +24,21 @@ from .identity import register_group
 from .param import FSDPParam
 from .post_forward import PostForwardReshard
 from .reduce import ReduceScatterResult
+from .replicas import ReplicaSync
 from .seams import GroupContext, GroupStorage, HostSide, PlannedGroup
 from .states import ShardedState, ShardedStates, TrainingState
 from .storages import group_storages
 from .trace import Meters
 
 
-class FSDPParamGroup(GroupChoices):
-    """The parameters of one fully_shard call and their collectives (the settings that choose its forms:
-    ``GroupChoices``, choices.py; its sharded-state machine: ``states``, a ``ShardedStates``, states.py)."""
+class FSDPParamGroup:
+    """The parameters of one fully_shard call and their collectives (the settings that choose its forms: ``forms``,
+    a ``GroupForms``, choices.py; its sharded-state machine: ``states``, a ``ShardedStates``, states.py)."""
 
     name: str  # module path from the root ("" for the root), set at lazy init
     modules: tuple[nn.Module, ...]
+    params: tuple[FSDPParam, ...]  # in the order of the all-gather and the reduce-scatter
+    mesh_info: MeshInfo
     controls: GroupControls  # the public setters' per-step switches (controls.py); replaced by set_controls
     post_forward_reshard: PostForwardReshard  # reshard_after_forward decoded: [Note: post-forward reshard]
     reshard_after_forward: bool  # effective: free (or shrink to its k ranks) the unsharded parameters after forward
@@ -51,7 +54,9 @@ class FSDPParamGroup(GroupChoices):
     host: HostSide  # the host engine ([Note: the host engine] in seams.py); the root's, shared, after lazy init
     forward_prefetch: tuple[FSDPParamGroup, ...] | None  # explicit targets; None: the recorded order
     backward_prefetch: tuple[FSDPParamGroup, ...] | None
+    forms: GroupForms  # how it gathers and reduces, and the settings that chose that: choices.py
     storages: tuple[GroupStorage, ...]  # where shards live beyond ZeRO-3's: [Note: group storage]
+    replicas: ReplicaSync | None  # HFSDP's storage, also its replica step's collectives: [Note: replica-sharded groups]
     keeps_unsharded: bool  # one of them keeps the unsharded storage across reshards (ZeRO-1/2)
 
     def reduce_dtype_problem(self) -> str | None:
@@ -79,16 +84,11 @@ class FSDPParamGroup(GroupChoices):
         self.forward_prefetch = self.backward_prefetch = None
         self._start_idle()
         self.set_reshard_after_forward(settings.reshard_as_built)  # checked by the plan: [Note: one plan]
-        self.requires_all_reduce = True
-        self.reduce_scatter_group = None
-        self.collective = collective_for(self.mesh_info.shard_group, self.mesh_info.device)  # once per group
-        self.custom_all_gather = self.custom_reduce_scatter = None
         self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
         # after the packing, which writes the shards: the storages' watches start from the packed versions
         self.storages, self.replicas = group_storages(self, settings.sharding)  # [Note: group storage]
         self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
-        self.set_comm_policy(settings.comm or CommPolicy())
-        self.choose_replica_step()
+        self.forms = GroupForms(params, self.mesh_info, self.replicas, settings.comm or CommPolicy())
         register_group(self)  # its sharded parameters are fsdp2lite's: identity.py
 
     def _start_idle(self) -> None:
@@ -148,7 +148,7 @@ class FSDPParamGroup(GroupChoices):
         for storage in self.storages:
             storage.on_reset(renewed)
         if renewed:  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes
-            self.choose_gather()  # the form's views of the old shards are stale
+            self.forms.choose_gather()  # the form's views of the old shards are stale
 
     def unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is already in flight."""
@@ -163,17 +163,17 @@ class FSDPParamGroup(GroupChoices):
                 self.trace("all_gather_skipped")
                 return
             self.sync_extensions()
-            form = self.gather
+            form = self.forms.gather
         self.pending_unshard = PendingUnshard(form.issue(self.comm, self.meters), form)
         self.trace("all_gather_issue")
 
     def sync_extensions(self) -> None:
         """Hooks set or removed on a local tensor since the last all-gather change how the group gathers
         ([Note: hooks looked up per all-gather])."""
-        quantized = self.comm_policy.all_gather is not None
+        quantized = self.forms.comm_policy.all_gather is not None
         if any([param.sync_extension(quantized) for param in self.params]):  # a list: every parameter looks
             self._rebuilding_units = tuple(p.unit for p in self.params if p.unit.rebuilds)
-            self.choose_gather()
+            self.forms.choose_gather()
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and register the unsharded parameters."""
@@ -214,7 +214,7 @@ class FSDPParamGroup(GroupChoices):
         if sub is None or self.states.current is not ShardedState.UNSHARDED:
             self.reshard()
             return
-        regather = self.states.post_forward_kept or self.gather.chunks(sub)  # [Note: post-forward reshard]
+        regather = self.states.post_forward_kept or self.forms.gather.chunks(sub)  # [Note: post-forward reshard]
         if regather is None:
             self.reshard()
             return
@@ -263,7 +263,7 @@ class FSDPParamGroup(GroupChoices):
         params, grads = take_unsharded_grads(self.params, unused)  # the only references
         if not params:
             return
-        self.reduce_scatter_result = self.reduce.issue(tuple(params), grads, self.comm, self.meters)
+        self.reduce_scatter_result = self.forms.reduce.issue(tuple(params), grads, self.comm, self.meters)
         self.trace("reduce_scatter_issue")
 
     def finish_reduce_scatter(self) -> None:
@@ -274,7 +274,7 @@ class FSDPParamGroup(GroupChoices):
         self.reduce_scatter_result = None  # frees the flat buffers once applied: [Note: buffer lifetime]
         with self.trace_span("reduce_scatter_wait"):
             finished = result.form.finish(result, self.comm)
-            output = self.replica_step.reduce(finished, result.params, self.comm, self.meters)
+            output = self.forms.replica_step.reduce(finished, result.params, self.comm, self.meters)
             if output is None:
                 return  # kept for a later step across replicas
             controls = self.controls

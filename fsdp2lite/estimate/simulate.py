@@ -158,7 +158,7 @@ def target_device_settings(model: nn.Module, config: FSDPConfig, device: str) ->
             getattr(model, setter)(getattr(defaults, key))
     for module in model.modules():
         if isinstance(module, FSDPModule) and module._fsdp_state.group is not None:
-            module._fsdp_state.group.set_collective(GlooInPlace() if device == "cpu" else Native())
+            module._fsdp_state.group.forms.set_collective(GlooInPlace() if device == "cpu" else Native())
 
 
 def _phases(
