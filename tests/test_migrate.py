@@ -386,7 +386,7 @@ def test_apply_config_shards_as_the_source_would(fixture: str, single_rank_pg: N
         assert all(p.param_dtype == dtype for p in group.params), name
         assert group.keeps_unsharded == expected.get("resident", False), name
         host_masters = expected.get("optimizer_only", False)  # ZeRO-Offload: shards on the device, masters on the host
-        assert all(p.offload_to_cpu == (expected["offload"] == "cpu" and not host_masters) for p in group.params)
+        assert all(p.home.on_host == (expected["offload"] == "cpu" and not host_masters) for p in group.params)
         assert all(p.policy.host_masters == host_masters for p in group.params), name
     x = torch.randn(2, 8) if source == "torchtitan" else torch.randint(0, TINY.vocab_size, (2, TINY.seq_len))
     model(x).float().sum().backward()

@@ -99,7 +99,7 @@ def test_torch_sees_an_fsdp2_module_and_its_policies_are_accepted() -> None:
     assert isinstance(model, TORCHS["FSDPModule"]) and isinstance(model, fl.FSDPModule)
     group = model._fsdp_state.group
     assert group.params[0].param_dtype == torch.bfloat16 and group.params[0].reduce_dtype == torch.float32
-    assert group.params[0].offload_to_cpu
+    assert group.params[0].home.on_host
     assert model._is_fsdp_managed_module and model[0]._is_fsdp_managed_module  # transformers' generate reads it
     config = fl.FSDPConfig(mixed_precision=mp, offload=TORCHS["OffloadPolicy"]())
     assert config.mixed_precision.param_dtype == torch.bfloat16 and config.offload.device == "none"

@@ -171,7 +171,7 @@ class ByteGather:
 
     def __init__(self, params: tuple[FSDPParam, ...], ranks: Ranks, collective: Collective) -> None:
         self.params, self.ranks, self.collective = params, ranks, collective
-        self.offloaded = params[0].offload_to_cpu  # [Note: offloaded hooked parameters]
+        self.offloaded = params[0].home.on_host  # [Note: offloaded hooked parameters]
         self.numels: list[int] = []
 
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:

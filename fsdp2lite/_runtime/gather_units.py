@@ -32,6 +32,7 @@ from ..mesh import MeshInfo
 from .extension import AllGatherExtension, contiguous_stride, find_hooks, has_extension
 from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
+from .shard_home import DeviceHome
 
 
 class UnitParam(Protocol):
@@ -46,8 +47,7 @@ class UnitParam(Protocol):
     policy: ParamPolicy
     mp_policy: Any
     param_dtype: torch.dtype
-    offload_to_cpu: bool
-    pin_memory: bool
+    home: DeviceHome  # where the padded shard lives: [Note: shard home] in shard_home.py
     layout: ShardLayout
     padded_shard: torch.Tensor
     flat_shard: torch.Tensor
@@ -137,8 +137,8 @@ class PlainUnit:
         self.adopt(self.param.new_padded_shard(local.detach()))
 
     def packs_on_host(self) -> bool:
-        """Offloaded into its group's one host buffer ([Note: one host buffer per group])."""
-        return self.param.offload_to_cpu
+        """On the host, its shard joins its group's one host buffer ([Note: one host buffer per group])."""
+        return True
 
     def grad_stride(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return self.param.local_view.stride()
@@ -194,10 +194,8 @@ class HookedUnit:
         self._adopt_hooked(self.extension.pad(local.detach(), self.param.layout))
 
     def _adopt_hooked(self, padded: torch.Tensor) -> None:
-        """On the host under CPU offload ([Note: offloaded hooked parameters])."""
-        if self.param.offload_to_cpu:
-            padded = AllGatherExtension.to_host(padded, self.param.pin_memory)
-        self.adopt(padded)
+        """On the host under CPU offload ([Note: offloaded hooked parameters], [Note: shard home])."""
+        self.adopt(self.param.home.hooked(padded))
 
     def packs_on_host(self) -> bool:
         return False  # its host shard is the subclass's own
@@ -209,9 +207,7 @@ class HookedUnit:
         """This rank's all-gather inputs from the subclass's pre-all-gather hook (flat, plain tensors), as bytes."""
         p = self.param
         local = p.sharded_param._local_tensor  # type: ignore[attr-defined]  # where the hooks are looked up
-        shard = p.padded_shard  # offloaded: its copy on the device ([Note: offloaded hooked parameters])
-        if p.offload_to_cpu:
-            shard = self.extension.to_device(shard, p.mesh_info.device)  # the compute device
+        shard = p.home.gather_source(p.padded_shard, p.mesh_info.device)  # offloaded: its copy on the device
         mesh, module = p.mesh_info.shard_mesh, p.places[0].module
         made = self.extension.inputs(shard, local, mesh, p.orig_shape, module=module, mp_policy=p.mp_policy)
         return [t.view(torch.uint8) for t in made]

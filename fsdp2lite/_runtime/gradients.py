@@ -68,7 +68,7 @@ def accumulate_sharded_grads(
     flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
     offload_event = None
     if first.grads_on_host and flat.device.type != "cpu":
-        buffer = host.grad_buffer(flat.numel(), flat.dtype, first.pin_memory)  # [Note: host gradient buffers]
+        buffer = host.grad_buffer(flat.numel(), flat.dtype, first.policy.pin_memory)  # [Note: host gradient buffers]
         # async only when nothing below reads the host copy at once: adding into kept gradients and casting
         # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
         reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)

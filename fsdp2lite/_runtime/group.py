@@ -19,7 +19,9 @@ from .comm import Comm
 from .controls import GroupControls
 from .gather import GatherForm, PendingUnshard
 from .gradients import accumulate_sharded_grads, run_all_reduce_hook, take_unsharded_grads
-from .host_arena import HostArena, pack_host_shards
+from .host_arena import HostArena
+from .host_masters import HostSync
+from .host_storage import HostShards
 from .identity import register_group
 from .param import FSDPParam
 from .post_forward import PostForwardReshard
@@ -84,8 +86,7 @@ class FSDPParamGroup:
         self.forward_prefetch = self.backward_prefetch = None
         self._start_idle()
         self.set_reshard_after_forward(settings.reshard_as_built)  # checked by the plan: [Note: one plan]
-        self.host_arena: HostArena | None = pack_host_shards(self, None)  # [Note: one host buffer per group]
-        # after the packing, which writes the shards: the storages' watches start from the packed versions
+        # the host storage first: its packing writes the shards, and the other storages' watches start from it
         self.storages, self.replicas = group_storages(self, settings.sharding)  # [Note: group storage]
         self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
         self.forms = GroupForms(params, self.mesh_info, self.replicas, settings.comm or CommPolicy())
@@ -138,13 +139,21 @@ class FSDPParamGroup:
         (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``); None: the recorded order."""
         self.forward_prefetch, self.backward_prefetch = forward, backward
 
+    @property
+    def host_arena(self) -> HostArena | None:
+        """The group's one host buffer under CPU offload, its host storage's ([Note: host storage]), or None."""
+        for storage in self.storages:
+            host = storage.host if isinstance(storage, HostSync) else storage
+            if isinstance(host, HostShards):
+                return host.arena
+        return None
+
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.name or '<root>'}, {len(self.params)} params)"
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def reset_sharded_params(self) -> None:
         renewed = any([param.reset_sharded_param() for param in self.params])  # a list: every parameter looks
-        self.host_arena = pack_host_shards(self, self.host_arena)  # renewed host shards: packed anew
         for storage in self.storages:
             storage.on_reset(renewed)
         if renewed:  # ``to_empty``, ``module.to(dtype)``, an assigning load: new shards, maybe new dtypes

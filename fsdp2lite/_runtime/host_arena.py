@@ -13,9 +13,9 @@ into one buffer, each at a 64-byte-aligned offset, and the parameters adopt view
 - where registering fails, torch's pinned allocator takes the one buffer instead (one rounding for the group,
   not one per parameter), and where pinning fails too, pageable memory with one warning ([Note: pinning fails]);
 - on a CPU mesh nothing is pinned: the buffer is plain memory, packed the same way (one code path).
-The buffer is the group's for its life: the optimizer steps into it, the all-gather copies out of it, every
-step. Hooked parameters (a tensor subclass with all-gather hooks, such as NF4) and HFSDP's replica-sharded ones
-keep buffers of their own.
+The buffer is the group's for its life, held by its host storage ([Note: host storage] in host_storage.py): the
+optimizer steps into it, the all-gather copies out of it, every step. Hooked parameters (a tensor subclass with
+all-gather hooks, such as NF4) and HFSDP's replica-sharded ones keep buffers of their own.
 
 The reduced gradients' host buffers are made the same exact way, but shared by the groups of a root rather
 than one per group ([Note: host gradient buffers] in ``pinned.py``): with gradients kept until
@@ -53,9 +53,10 @@ def host_tensor(param: FSDPParam) -> torch.Tensor | None:
     return param.storage.host_tensor(param)
 
 
-def pack_host_shards(group: GroupView, arena: HostArena | None) -> HostArena | None:
+def pack_host_shards(group: GroupView, arena: HostArena | None, pin: bool) -> HostArena | None:
     """``arena`` if every host tensor of ``group`` is still in it; else a new buffer holding them all (the
-    parameters adopting its views), or None when the group has none on the host ([Note: one host buffer per group])."""
+    parameters adopting its views; pinned when ``pin``), or None when the group has none on the host
+    ([Note: one host buffer per group])."""
     members = [(param, tensor) for param in group.params if (tensor := host_tensor(param)) is not None]
     if not members or any(tensor.device.type != "cpu" for _, tensor in members):
         return None  # not offloaded, or not materialized yet (meta): packed once to_empty made them
@@ -65,7 +66,7 @@ def pack_host_shards(group: GroupView, arena: HostArena | None) -> HostArena | N
     for _, tensor in members:
         offsets.append(total)
         total += -(-tensor.nbytes // ALIGN) * ALIGN
-    buffer, pinning = exact_host_bytes(total, members[0][0].pin_memory)
+    buffer, pinning = exact_host_bytes(total, pin)
     for (param, tensor), offset in zip(members, offsets):
         view = buffer.narrow(0, offset, tensor.nbytes).view(tensor.dtype).view(tensor.shape)
         _adopt(param, view.copy_(tensor))

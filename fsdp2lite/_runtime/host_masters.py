@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .host_storage import HostShards
 from .param import FSDPParam, ShardStorage
 from .seams import GroupView
 from .zero import ShardRefresher, ShardWatch
@@ -88,11 +89,17 @@ def master(param: FSDPParam) -> torch.Tensor:
 class HostSync(ShardRefresher):
     """A ``optimizer_only`` group's masters and the freshness of its device shards ([Note: host masters])."""
 
-    def __init__(self, group: GroupView) -> None:
-        self.group = group
+    host: HostShards  # the masters' one host buffer ([Note: host storage] in host_storage.py)
+
+    def __init__(self, group: GroupView, host: HostShards) -> None:
+        self.group, self.host = group, host  # packed first: the watch records the masters' versions in it
         self.watch = ShardWatch([p for p in group.params if p.storage.grads_on_host])  # frozen ones have none
         self.copies = 0  # host-to-device copies of a whole group (tests and trace read it)
         self.copied_bytes = 0
+
+    def on_reset(self, renewed: bool) -> None:
+        self.host.on_reset(renewed)  # renewed masters: packed anew
+        super().on_reset(renewed)
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""

@@ -39,7 +39,7 @@ from .grads import GradientState
 from .identity import original_uid
 from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
-from .pinned import host_buffer
+from .shard_home import DEVICE, DeviceHome
 from .unsharded import UnshardedState, make_dtensor
 
 # [Note: frozen]
@@ -55,10 +55,15 @@ class ShardStorage:
     This base is ZeRO-3's, CPU offload's host shards included: the registered DTensor's local tensor is this
     rank's rows of the padded shard, the one the all-gather reads. Strategies (not parameter classes) change
     that: HFSDP's replica pieces (``replicas.ReplicaPieces``), host masters (``host_masters.HostMasters``).
-    One object per parameter, chosen at ``fully_shard`` (``storages.param_storage``)."""
+    One object per parameter, chosen at ``fully_shard`` (``storages.param_storage``) with the shard's home: on
+    its device, or on the host under CPU offload ([Note: shard home] in shard_home.py)."""
 
     grads_on_host = False  # reduced gradients go to the host without CPU offload (host masters)
-    pinned_alone = False  # an offloaded shard pinned by itself, not in its group's host buffer (HFSDP chunks)
+    pinned_alone = False  # a host shard pinned by itself, not in its group's host buffer (HFSDP chunks)
+    home: DeviceHome  # where the padded shard lives: [Note: shard home]
+
+    def __init__(self, home: DeviceHome = DEVICE) -> None:
+        self.home = home
 
     def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
         """The local tensor and spec the sharded parameter is made of, once the padded shard exists."""
@@ -66,8 +71,8 @@ class ShardStorage:
 
     def host_tensor(self, param: FSDPParam) -> torch.Tensor | None:
         """What the group's one host buffer holds of this parameter ([Note: one host buffer per group]), or None."""
-        offloaded = param.unit.packs_on_host() and not self.pinned_alone
-        return param.padded_shard if offloaded else None
+        packed = self.home.on_host and param.unit.packs_on_host() and not self.pinned_alone
+        return param.padded_shard if packed else None
 
     def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
         """``view`` (of the group's host buffer, a copy of ``host_tensor``) becomes that tensor's home."""
@@ -101,9 +106,12 @@ class ShardStorage:
 # pieces and host masters is which tensor the modules hold (a view of the padded shard, a piece of it, a host
 # copy of it), its spec, its gradient's layout and how a renewed local tensor is taken in. That is the
 # parameter's ``storage`` (``ShardStorage`` and its strategies), asked at those points; the sharded Parameter
-# is made once, from what the storage registers. Where the group keeps its shards fresh (HFSDP's replica
-# all-gather, host masters' copy to the device, ZeRO-1/2's kept storage) stays with the group
-# ([Note: group storage] in seams.py).
+# is made once, from what the storage registers. Where the padded shard itself lives (on its device, or on the
+# host under CPU offload) is the storage's home, given to it where it is chosen ([Note: shard home] in
+# shard_home.py): the parameter, its unit and its unsharded state ask the home, never the offload policy. Where
+# the group keeps its shards fresh (HFSDP's replica all-gather, host masters' copy to the device, ZeRO-1/2's kept
+# storage) and packs its host tensors (CPU offload's host buffer) stays with the group ([Note: group storage] in
+# seams.py).
 
 
 class FSDPParam(GradientState, UnshardedState):
@@ -131,8 +139,7 @@ class FSDPParam(GradientState, UnshardedState):
     orig_uid: int  # the original's number, which outlives it ([Note: original identity])
     param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
     reduce_dtype: torch.dtype  # dtype of the reduce-scatter (and of accumulation with sync off)
-    offload_to_cpu: bool
-    pin_memory: bool
+    home: DeviceHome  # where the padded shard lives, its storage's, decided once: [Note: shard home]
     policy: ParamPolicy  # kept to re-derive the dtypes when the parameter's own dtype changes (``module.to``)
     unit: GatherUnit  # its part of the group's all-gather, plain or through hooks: [Note: gather units]
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
@@ -156,6 +163,7 @@ class FSDPParam(GradientState, UnshardedState):
     ) -> None:
         self.fqn = fqn
         self.storage = storage or ShardStorage()
+        self.home = self.storage.home
         self.places = places
         self.orig_shape = param.shape
         self.orig_dtype = param.dtype
@@ -163,8 +171,6 @@ class FSDPParam(GradientState, UnshardedState):
         self.shard_dim = shard_dim
         self.policy = policy
         self._set_dtypes(param.dtype)
-        self.offload_to_cpu = policy.offload_to_cpu
-        self.pin_memory = policy.pin_memory
         self.accumulated_grad = None
         self.partial_reduced_grad = None
         self.orig_param_ref = weakref.ref(param)
@@ -205,24 +211,13 @@ class FSDPParam(GradientState, UnshardedState):
 
     # ---- construction helpers -------------------------------------------------------------
     def new_padded_shard(self, local: torch.Tensor) -> torch.Tensor:
-        """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows.
-
-        CPU offload: on the host; pinned when asked, but by its group's buffer for plain parameters (host_arena.py).
-        """
-        device = local.device
-        if self.offload_to_cpu and device.type != "meta":
-            device = torch.device("cpu")
-        if self._pin(device):  # [Note: pinning fails]
-            padded = host_buffer(self.padded_shape, local.dtype, pin=True, zero=True)
-        else:
-            padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=device)
-        if device.type != "meta" and self.layout.local_rows:
+        """A zeroed ``(padded_rows, *rest)`` buffer with ``local`` copied into its first rows, where its home
+        keeps it ([Note: shard home]): under CPU offload on the host, pinned when asked, but by its group's
+        buffer for plain parameters (host_arena.py)."""
+        padded = self.home.padded(self.padded_shape, local.dtype, local.device, self.storage.pinned_alone)
+        if padded.device.type != "meta" and self.layout.local_rows:
             padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local.detach())
         return padded
-
-    def _pin(self, device: torch.device) -> bool:
-        """Pinned by itself: only a shard outside its group's host buffer ([Note: one host buffer per group])."""
-        return self.offload_to_cpu and self.pin_memory and device.type == "cpu" and self.storage.pinned_alone
 
     def sync_extension(self, quantized: bool) -> bool:
         """Its all-gather hooks looked up again; True when its unit changed ([Note: gather units])."""
@@ -236,7 +231,7 @@ class FSDPParam(GradientState, UnshardedState):
     @property
     def grads_on_host(self) -> bool:
         """Reduced gradients are copied to the host (CPU offload; host masters too)."""
-        return self.offload_to_cpu or self.storage.grads_on_host
+        return self.home.grads_on_host or self.storage.grads_on_host
 
     @property
     def reduced_numel(self) -> int:

@@ -45,7 +45,6 @@ from .comm import Ranks
 from .extension import contiguous_stride
 from .layout import ShardLayout
 from .param import FSDPParam, ShardStorage
-from .pinned import host_buffer
 from .seams import GroupView
 from .zero import ShardRefresher, ShardWatch
 
@@ -88,12 +87,8 @@ class ReplicaPieces(ShardStorage):
         """A new local tensor (``to_empty``, ``module.to``, an assigning load) is written into its rows of a chunk
         of its dtype, and the DTensor points back at that view. The chunk's other rows then hold old (or no)
         values: the group gathers them at its next unshard."""
-        device = torch.device("cpu") if param.offload_to_cpu and local.device.type != "meta" else local.device
-        if param._pin(device):  # [Note: pinning fails]
-            chunk = host_buffer(param.padded_shape, local.dtype, pin=True, zero=True)
-        else:
-            chunk = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
-        if device.type != "meta":
+        chunk = self.home.padded(param.padded_shape, local.dtype, local.device, alone=True)  # [Note: shard home]
+        if chunk.device.type != "meta":
             if param.padded_shard.device.type != "meta":
                 chunk.copy_(param.padded_shard)
             self.piece.local_of(chunk).copy_(local.detach())

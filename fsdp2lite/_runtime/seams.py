@@ -1,7 +1,7 @@
 """Typed seams: what runtime modules need of a group without importing ``group.py`` (which imports them).
 
 A module that keeps state beside a group (ZeRO-1/2's resident storage, HFSDP's replica collectives, host
-masters, the host arena, NVMe state) sees the group through ``GroupView``: its parameters, its mesh, its
+masters, CPU offload's host shards, NVMe state) sees the group through ``GroupView``: its parameters, its mesh, its
 ``Comm``, its ``Meters`` and its trace. ``FSDPParamGroup`` satisfies it structurally; mypy checks every use. The
 runtime in turn sees the host engine, which lives outside it, through ``HostSide`` ([Note: the host engine]).
 
@@ -14,7 +14,8 @@ group's state:
     before_gather   unshard, from the sharded state: refresh the shards (HFSDP's replica all-gather, host
                     masters' copy to the device); ZeRO-1/2: True when the kept storage is current (no all-gather)
     gathered        the group went UNSHARDED: ZeRO-1/2 records the shards' versions
-    on_reset        reset_sharded_params: ZeRO-1/2 forgets, the others forget only if a shard was renewed
+    on_reset        reset_sharded_params: ZeRO-1/2 forgets, the others forget only if a shard was renewed; host
+                    shards and masters pack renewed host tensors into a new host buffer ([Note: host storage])
     invalidate      an explicit reshard (model.reshard()): nothing kept is trusted
 
 Those that keep the unsharded storage (ZeRO-1/2) are asked last, after every refresh. The parameter half of
@@ -60,7 +61,8 @@ from .trace import Meters
 class GroupStorage(Protocol):
     """Where a group's shards live beyond ZeRO-3's, called by the group at fixed points ([Note: group storage]):
     ZeRO-1/2's kept unsharded storage (``zero.Resident``), HFSDP's replica pieces (``replicas.ReplicaSync``),
-    host masters (``host_masters.HostSync``). None of them writes the group's state."""
+    host masters (``host_masters.HostSync``), CPU offload's host shards (``host_storage.HostShards``). None of
+    them writes the group's state."""
 
     keeps_unsharded: bool  # a reshard keeps the unsharded storage (unless freed explicitly)
 

@@ -27,6 +27,7 @@ from ..mesh import MeshInfo
 from .extension import contiguous_stride, ensure_allocated
 from .gather_units import GatherUnit
 from .layout import ShardLayout
+from .shard_home import DeviceHome
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -56,7 +57,7 @@ class UnshardedState:
     unsharded_param: nn.Parameter | None
     all_gather_view: torch.Tensor | None
     param_dtype: torch.dtype
-    offload_to_cpu: bool
+    home: DeviceHome  # where the padded shard lives: [Note: shard home] in shard_home.py
     unit: GatherUnit
 
     @property
@@ -77,8 +78,8 @@ class UnshardedState:
 
     @property
     def device(self) -> torch.device:
-        """Where this parameter is computed on: the mesh's device when offloaded, else its shard's."""
-        return self.mesh_info.device if self.offload_to_cpu else self.padded_shard.device
+        """Where this parameter is computed on: the mesh's device when its shard is on the host, else its shard's."""
+        return self.home.compute_device(self.mesh_info.device, self.padded_shard)
 
     def _set_on_modules(self, tensor: torch.Tensor) -> None:
         for place in self.places:

@@ -249,7 +249,7 @@ def offloaded_share(model: nn.Module) -> tuple[int, float]:
     on the host) of a sharded model: ``CPUOffloadPolicy`` moves both, ``optimizer_only`` keeps its shards on
     the device and moves its gradients and optimizer state."""
     sizes = [
-        (param.padded_shard.untyped_storage().nbytes(), param.offload_to_cpu, param.grads_on_host)
+        (param.padded_shard.untyped_storage().nbytes(), param.home.on_host, param.grads_on_host)
         for param in fsdp_params(model)
     ]
     total = sum(nbytes for nbytes, _, _ in sizes)

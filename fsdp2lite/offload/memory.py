@@ -75,7 +75,7 @@ def host_memory(model: nn.Module) -> HostMemory:
 
 def _own_host_tensor(param: Any) -> torch.Tensor | None:
     """An offloaded parameter's host shard outside its group's packed buffer (hooked, HFSDP), or None."""
-    if not param.offload_to_cpu:  # host masters: their host tensors are in the group's buffer
+    if not param.home.on_host:  # host masters: their host tensors are in the group's buffer
         return None
     shard = param.padded_shard
     return shard if shard.device.type == "cpu" else None
