@@ -1,7 +1,8 @@
 """One host buffer per offloaded group, of its exact size ([Note: one host buffer per group]): every host shard
 (full offload) or master (``optimizer_only``) is a view of it, packed again when ``to_empty`` renews them,
 stepped in place every step; pinned by registering exactly its bytes on CUDA, with torch's allocator and then
-pageable memory as the fallbacks. One spawn of 2 gloo ranks; a gpu test checks the pinning itself."""
+pageable memory as the fallbacks; owned by the group's host storage, which also copies the reduced gradients to
+the host ([Note: host storage]). One spawn of 2 gloo ranks; a gpu test checks the pinning itself."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from _parity import full
 import fsdp2lite as fl
 from fsdp2lite._runtime import pinned
 from fsdp2lite._runtime.host_arena import host_tensor
+from fsdp2lite._runtime.host_masters import HostSync
+from fsdp2lite._runtime.host_storage import HostShards
+from fsdp2lite._runtime.seams import ReducedGrads
+from fsdp2lite._runtime.shard_home import DeviceHome, HostHome
 from fsdp2lite.host import grad_pool
 
 FULL = fl.CPUOffloadPolicy(pin_memory=False)
@@ -133,6 +138,86 @@ def scenario_host_memory_without_offload(rank: int, ws: int) -> None:
         fl.offload.host_memory(nn.Linear(2, 2))
 
 
+def scenario_offload_is_a_storage(rank: int, ws: int) -> None:
+    """Where shards live is chosen once ([Note: shard home], [Note: host storage]): full offload gives every
+    parameter a host home and its group one ``HostShards``, the owner of the group's buffer; optimizer_only a
+    ``HostSync`` holding one; no offload a device home and no storage. On a CPU mesh the reduced gradients are on
+    the host already: ``after_reduce`` hands them back as they are."""
+    plain, offloaded, masters = shard(tiny_gpt(), None), shard(tiny_gpt(), FULL), shard(tiny_gpt(), MASTERS)
+    for group in groups(plain):
+        assert group.storages == () and group.host_arena is None
+        assert all(type(p.home) is DeviceHome and p.device.type == "cpu" for p in group.params)
+    for group in groups(offloaded):
+        assert [type(s) for s in group.storages] == [HostShards]
+        assert group.storages[0].arena is group.host_arena is not None
+        assert all(isinstance(p.home, HostHome) and p.grads_on_host for p in group.params)
+    for group in groups(masters):
+        assert [type(s) for s in group.storages] == [HostSync]
+        assert group.storages[0].host.arena is group.host_arena is not None
+        assert all(type(p.home) is DeviceHome for p in group.params)
+    flat = torch.ones(4)
+    reduced = groups(offloaded)[0].storages[0].after_reduce(ReducedGrads(flat, None), reads_now=False)
+    assert reduced.flat is flat and reduced.copy_event is None
+
+
+class RecordingStorage:
+    """A group storage that moves the reduced gradients into tensors of its own and records its two points."""
+
+    keeps_unsharded = False
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls, self.moved = calls, []
+
+    def before_gather(self) -> bool:
+        return False
+
+    def gathered(self) -> None:
+        return None
+
+    def on_reset(self, renewed: bool) -> None:
+        return None
+
+    def invalidate(self) -> None:
+        return None
+
+    def after_reduce(self, reduced: ReducedGrads, reads_now: bool) -> ReducedGrads:
+        self.calls.append("after_reduce")
+        self.moved.append(reduced.flat.clone())
+        return ReducedGrads(self.moved[-1], None)
+
+    def end_backward(self) -> None:
+        self.calls.append("end_backward")
+
+
+def scenario_after_reduce_point(rank: int, ws: int) -> None:
+    """``after_reduce`` sees a reduction's final gradients (averaged, after the all-reduce hook) and decides
+    where they are stored: the sharded gradients are views of what it returns; ``end_backward`` follows every
+    reduction of the backward, once ([Note: group storage])."""
+    torch.manual_seed(0)
+    model, reference = tiny_gpt(), tiny_gpt()
+    reference.load_state_dict(model.state_dict())
+    shard(model, None)
+    shard(reference, None)
+    root = model._fsdp_state.group
+    calls: list[str] = []
+    storage = RecordingStorage(calls)
+    assert root.storages == ()
+    root.storages = (storage,)  # a storage of its own kind, where group_storages would put one
+    model.set_all_reduce_hook(lambda output: calls.append("all_reduce_hook"))
+    for step in range(2):
+        calls.clear()
+        for m in (model, reference):
+            gpt_loss(m, gpt_batch(step, rank)).backward()
+        assert calls == ["all_reduce_hook", "after_reduce", "end_backward"], calls
+        moved = storage.moved[-1].untyped_storage().data_ptr()
+        for p in root.params:
+            assert p.sharded_param.grad._local_tensor.untyped_storage().data_ptr() == moved, p.fqn
+        for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(full(a.grad), full(b.grad)), (step, name)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)  # the next gradients are new ones: views of the next moved output
+
+
 def test_host_arena_on_two_ranks() -> None:
     spawn_checks(
         2,
@@ -140,7 +225,34 @@ def test_host_arena_on_two_ranks() -> None:
         scenario_meta_init_then_to_empty,
         scenario_planner_counts_the_buffers,
         scenario_host_memory_without_offload,
+        scenario_offload_is_a_storage,
+        scenario_after_reduce_point,
     )
+
+
+def test_host_gradient_copy_and_its_wait() -> None:
+    """From a device (CUDA's logic, its tensors and event stood in for): one copy into a host buffer of the
+    engine's pool, non-blocking with an event kept when pinned and nothing reads it at once, blocking otherwise;
+    ``end_backward`` waits on the last event once ([Note: host storage])."""
+    buffer = mock.Mock(is_pinned=mock.Mock(return_value=True))
+    buffer.copy_.return_value = buffer
+    group = mock.Mock(params=(), host=mock.Mock(grad_buffer=mock.Mock(return_value=buffer)))
+    host = HostShards(group, pin=True)
+    flat = mock.Mock(numel=mock.Mock(return_value=6), dtype=torch.float32, device=torch.device("cuda", 0))
+    with mock.patch.object(torch.cuda, "Event") as event_class:
+        blocking = host.after_reduce(ReducedGrads(flat, None), reads_now=True)
+        assert blocking == ReducedGrads(buffer, None) and host.copy_event is None
+        buffer.copy_.assert_called_with(flat, non_blocking=False)
+        copied = host.after_reduce(ReducedGrads(flat, None), reads_now=False)
+    group.host.grad_buffer.assert_called_with(6, torch.float32, True)
+    buffer.copy_.assert_called_with(flat, non_blocking=True)
+    event = event_class.return_value
+    event.record.assert_called_once_with()
+    assert copied == ReducedGrads(buffer, event) and host.copy_event is event
+    host.end_backward()
+    host.end_backward()
+    event.synchronize.assert_called_once_with()
+    assert host.copy_event is None
 
 
 def test_pinning_falls_back_in_order() -> None:

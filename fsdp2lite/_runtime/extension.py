@@ -31,7 +31,7 @@ that device), so the hook must see a device tensor. On CUDA the copy, the hook a
 the ``all_gather_copy_in`` stream (``Comm.on``: after the compute stream's queued work; the copy is
 allocated there and last read there, [Note: CUDA buffer lifetime]); on CPU the device is the host and
 the copy is the shard itself. Gradients of a trainable hooked parameter are reduced and stored on the
-host as every offloaded parameter's are (``accumulate_sharded_grads``).
+host as every offloaded parameter's are (the group's ``HostShards``: [Note: host storage] in host_storage.py).
 
 [Note: hooks looked up per all-gather]
 As torch does, the hooks are looked up on the sharded parameter's local tensor (``param._local_tensor``)

@@ -10,7 +10,7 @@ import torch
 
 from .comm import Comm
 from .param import FSDPParam, make_dtensor
-from .seams import HostSide
+from .seams import GroupStorage, HostSide, ReducedGrads
 
 
 def take_unsharded_grads(
@@ -50,34 +50,34 @@ def run_all_reduce_hook(
 
 
 def accumulate_sharded_grads(
-    output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, host: HostSide, group: str = "<root>"
-) -> torch.cuda.Event | None:
+    output: torch.Tensor,
+    params: tuple[FSDPParam, ...],
+    comm: Comm,
+    host: HostSide,
+    storages: tuple[GroupStorage, ...],
+    group: str = "<root>",
+) -> None:
     """Add this rank's reduced ``(group_numel,)`` gradients into each parameter's DTensor ``.grad`` (of group
     ``group``: its name in traces), then run their post-accumulate-grad hooks.
 
-    Gradients are stored in the parameters' own dtype (one cast of the whole output), next to the shards
-    (on the host when offloaded: one non-blocking copy of the whole output into a pinned buffer of the host
-    engine's pool, [Note: host gradient buffers] in fsdp2lite/host/grad_pool.py; the returned event marks its
-    end). A new
+    Gradients are stored in the parameters' own dtype (one cast of the whole output), where the group's storages
+    put them once the reduction is final (``after_reduce``: on the host under CPU offload, one non-blocking copy
+    of the whole output, [Note: host storage] in host_storage.py; next to the device shards otherwise). A new
     gradient is an ``as_strided`` view of the output that skips the slot's padding rows; an existing one (no
     ``zero_grad`` in between) gets the new one added.
     """
     host.wait_for(p.sharded_param for p in params)  # a host step in flight reads these grads: [Note: the host engine]
     first = params[0]
     uniform = all(p.orig_dtype == first.orig_dtype for p in params)
-    flat = output.to(first.orig_dtype) if uniform else output  # no-op when reduced in the params' dtype
-    offload_event = None
-    if first.grads_on_host and flat.device.type != "cpu":
-        buffer = host.grad_buffer(flat.numel(), flat.dtype, first.policy.pin_memory)  # [Note: host gradient buffers]
-        # async only when nothing below reads the host copy at once: adding into kept gradients and casting
-        # mixed dtypes run on the host right away, so they need the copy landed (torch's blocks there too)
+    reduced = ReducedGrads(output.to(first.orig_dtype) if uniform else output, None)  # no-op in the params' dtype
+    if storages:  # where the group's storages keep them: [Note: group storage]
+        # adding into kept gradients and casting mixed dtypes read the stored gradients on the host right away
         reads_now = not uniform or any(param.sharded_param.grad is not None for param in params)
-        flat = buffer.copy_(flat, non_blocking=buffer.is_pinned() and not reads_now)
-        if buffer.is_pinned() and not reads_now:
-            offload_event = torch.cuda.Event()
-            offload_event.record()  # after the copy on the compute stream: waited at the end of backward
+        for storage in storages:
+            reduced = storage.after_reduce(reduced, reads_now)
     existing: list[torch.Tensor] = []
     new: list[torch.Tensor] = []
+    flat = reduced.flat
     offset = flat.storage_offset()
     for param in params:
         local = flat.as_strided(param.local_shape, param.grad_stride, offset)  # (local_rows, *rest)
@@ -92,5 +92,4 @@ def accumulate_sharded_grads(
             new.append(local)
     if existing:
         torch._foreach_add_(existing, new)
-    host.run_grad_hooks([param.sharded_param for param in params], offload_event, group, comm.device)
-    return offload_event
+    host.run_grad_hooks([param.sharded_param for param in params], reduced.copy_event, group, comm.device)

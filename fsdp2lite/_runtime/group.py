@@ -50,7 +50,6 @@ class FSDPParamGroup:
     backward_follows: bool  # its last forward's output needs a gradient: backward will use it (a prefetch target)
     pending_unshard: PendingUnshard | None  # an all-gather issued and not yet copied out
     reduce_scatter_result: ReduceScatterResult | None  # a reduce-scatter issued and not yet applied
-    offload_event: torch.cuda.Event | None  # CPU offload from CUDA: the last gradient copy to the host
     _comm: Comm | None  # streams, events, work handles; the root's, shared, after lazy init
     meters: Meters  # trace recorder and wire counts; the root's, shared, after lazy init
     host: HostSide  # the host engine ([Note: the host engine] in seams.py); the root's, shared, after lazy init
@@ -100,7 +99,6 @@ class FSDPParamGroup:
         self.backward_follows = True
         self.pending_unshard = None
         self.reduce_scatter_result = None
-        self.offload_event = None
 
     @property
     def sharded_state(self) -> ShardedState:
@@ -292,9 +290,7 @@ class FSDPParamGroup:
                 output.div_(factor)
             if controls.all_reduce_hook is not None:  # sees the gradient as it will be stored (averaged), as torch's
                 run_all_reduce_hook(controls.all_reduce_hook, controls.all_reduce_hook_stream, output)
-            event = accumulate_sharded_grads(output, result.params, self.comm, self.host, self.name or "<root>")
-        if event is not None:
-            self.offload_event = event
+            accumulate_sharded_grads(output, result.params, self.comm, self.host, self.storages, self.name or "<root>")
 
     def finish_backward_pass(self) -> None:
         """End of every backward: reduce what autograd never handed us, reshard, go idle; reductions

@@ -7,9 +7,10 @@
 without offload, and registers on the modules a host copy instead (pinned when asked): the master shard the
 optimizer, ``clip_grad_norm_``, ``state_dict`` and checkpoints see. So:
 - backward reduce-scatters on the device and copies the reduced gradients to the host in one copy per group
-  (as ``CPUOffloadPolicy`` does), into the masters' ``.grad``;
+  (as ``CPUOffloadPolicy`` does, by the same ``HostShards`` that ``HostSync`` holds: [Note: host storage]), into
+  the masters' ``.grad``;
 - the user's optimizer steps the masters on the host (its state is created there); the group's masters are
-  one host buffer, pinned at its exact size when asked ([Note: one host buffer per group]);
+  one host buffer, pinned at its exact size when asked ([Note: one host buffer per group]), that ``HostShards``;
 - the first unshard after the masters changed copies them to the device shards, one host-to-device copy
   per parameter per step, where full offload copies every shard twice a step.
 Only trainable parameters get a master: a parameter frozen before ``fully_shard`` keeps its shard on the
@@ -28,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .host_storage import HostShards
 from .param import FSDPParam, ShardStorage
-from .seams import GroupView
+from .seams import GroupView, ReducedGrads
 from .zero import ShardRefresher, ShardWatch
 
 
@@ -100,6 +101,12 @@ class HostSync(ShardRefresher):
     def on_reset(self, renewed: bool) -> None:
         self.host.on_reset(renewed)  # renewed masters: packed anew
         super().on_reset(renewed)
+
+    def after_reduce(self, reduced: ReducedGrads, reads_now: bool) -> ReducedGrads:
+        return self.host.after_reduce(reduced, reads_now)  # into the masters' .grad, on the host
+
+    def end_backward(self) -> None:
+        self.host.end_backward()
 
     def refresh(self) -> None:
         """Copy to the device the masters that changed since their last copy (none: nothing)."""

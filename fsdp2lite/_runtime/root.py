@@ -208,10 +208,8 @@ class RootContext:
         if self.comm is not None:
             self.comm.synchronize_side_streams()
         for group in self.groups():
-            if group.offload_event is not None:
-                # The one host wait of a step, CPU offload only: optimizer.step() reads the host grads.
-                group.offload_event.synchronize()
-                group.offload_event = None
+            for storage in group.storages:
+                storage.end_backward()  # CPU offload: the step's one host wait ([Note: host storage])
         self._end_backward_pass()
 
     def _end_backward_pass(self) -> None:

@@ -8,7 +8,7 @@ runtime in turn sees the host engine, which lives outside it, through ``HostSide
 [Note: group storage]
 Where a group's shards live is decided at ``fully_shard`` and never re-tested per call: ZeRO-3 is the
 group with no storages; each other stage adds one ``GroupStorage`` (chosen by ``storages.group_storages`` in the
-group's constructor, from its plan), which the group calls at four fixed points and which never writes the
+group's constructor, from its plan), which the group calls at six fixed points and which never writes the
 group's state:
 
     before_gather   unshard, from the sharded state: refresh the shards (HFSDP's replica all-gather, host
@@ -17,6 +17,11 @@ group's state:
     on_reset        reset_sharded_params: ZeRO-1/2 forgets, the others forget only if a shard was renewed; host
                     shards and masters pack renewed host tensors into a new host buffer ([Note: host storage])
     invalidate      an explicit reshard (model.reshard()): nothing kept is trusted
+    after_reduce    a reduction's result is final (divided, the all-reduce hook run, cast to the parameters'
+                    dtype): where the gradients are stored from now; host shards and masters copy them to the
+                    host and keep the copy's event ([Note: host storage])
+    end_backward    the end of the last backward: what a storage moved is ready for the optimizer (host
+                    shards and masters: the step's one host wait, on the last copy's event)
 
 Those that keep the unsharded storage (ZeRO-1/2) are asked last, after every refresh. The parameter half of
 the same question (what each parameter registers) is its ``ShardStorage`` ([Note: shard storage], param.py).
@@ -46,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -56,6 +61,14 @@ from ..policies import CommPolicy, ShardingPolicy
 from .comm import Comm
 from .param import FSDPParam
 from .trace import Meters
+
+
+class ReducedGrads(NamedTuple):
+    """A group's reduced gradients where they are stored: ``(numel,)`` (in the parameters' dtype where they share
+    one), and the event that marks the end of their copy there (None: usable at once)."""
+
+    flat: torch.Tensor
+    copy_event: torch.cuda.Event | None
 
 
 class GroupStorage(Protocol):
@@ -83,6 +96,15 @@ class GroupStorage(Protocol):
         """An explicit reshard (``model.reshard()``): nothing kept is trusted; everything is rebuilt at next use."""
         ...
 
+    def after_reduce(self, reduced: ReducedGrads, reads_now: bool) -> ReducedGrads:
+        """The group's reduced gradients are final: where they are stored from now (``reads_now``: the host reads
+        them at once, to add into kept gradients or cast them one by one, so a copy must have landed)."""
+        ...
+
+    def end_backward(self) -> None:
+        """The end of the last backward: the gradients this storage moved are where the optimizer reads them."""
+        ...
+
 
 class GroupView(Protocol):
     """The part of ``FSDPParamGroup`` its companions read."""
@@ -95,6 +117,7 @@ class GroupView(Protocol):
     def comm(self) -> Comm: ...
 
     meters: Meters  # the root's, after lazy init: what the companions' collectives send is counted there
+    host: HostSide  # the host engine, the root's after lazy init: offloaded gradients land in its pool
 
     def trace(self, event: str) -> None: ...
 

@@ -30,7 +30,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .identity import sharded_param_ids
-from .seams import GroupView
+from .seams import GroupView, ReducedGrads
 
 
 def shard_versions(param: Any) -> tuple[int, int]:
@@ -85,6 +85,12 @@ class ShardRefresher:
         """Rebuild every shard at the next refresh."""
         self.watch.stale = True
 
+    def after_reduce(self, reduced: ReducedGrads, reads_now: bool) -> ReducedGrads:
+        return reduced  # stored beside the shards
+
+    def end_backward(self) -> None:
+        return None
+
 
 class Resident:
     """The freshness of a resident group's unsharded storage ([Note: resident groups])."""
@@ -117,6 +123,12 @@ class Resident:
     def invalidate(self) -> None:
         """The storage no longer holds the shards' values (freed, or the sharded parameters were reset)."""
         self.versions = None
+
+    def after_reduce(self, reduced: ReducedGrads, reads_now: bool) -> ReducedGrads:
+        return reduced  # stored beside the shards
+
+    def end_backward(self) -> None:
+        return None
 
 
 _watching: list[Any] = []  # the one hook handle, once registered

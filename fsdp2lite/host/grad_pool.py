@@ -3,7 +3,8 @@ step.
 
 [Note: host gradient buffers]
 Under CPU offload a group's reduced gradients are copied to the host in one piece, and its sharded gradients are
-views of that host buffer (``accumulate_sharded_grads`` in _runtime/gradients.py). The buffers come from one
+views of that host buffer (the group's host storage's ``after_reduce``, [Note: host storage] in
+_runtime/host_storage.py). The buffers come from one
 pool per root, the host engine's ``HostGradPool``, made like the groups' shard buffers (``exact_host_bytes``:
 registered with the driver at exactly their bytes, [Note: one host buffer per group] in _runtime/host_arena.py).
 A buffer is free when nothing but the pool holds its storage (its use count is the one it had when made): every
