@@ -191,3 +191,46 @@ def test_every_public_name_is_exported() -> None:
 
     missing = [name for name in fsdp2lite.__all__ if not hasattr(fsdp2lite, name)]
     assert not missing
+
+
+STORAGE_FILES = (
+    "host_arena.py",
+    "host_masters.py",
+    "host_storage.py",
+    "replicas.py",
+    "shard_home.py",
+    "storages.py",
+    "zero.py",
+)
+
+
+def _param_writes(path: Path) -> list[str]:
+    """Assignments to an attribute reached from a parameter (``param.x = ``, ``param.sharded_param._y = ``)."""
+    writes = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Assign):
+            targets = [
+                t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+            ]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            root = target
+            while isinstance(root, ast.Attribute | ast.Subscript):
+                root = root.value
+            if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in ("param", "p"):
+                writes.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+    return writes
+
+
+def test_offload_is_a_storage() -> None:
+    """Issue 52 item 4: storages change a parameter only through its named methods, never by writing its fields
+    ([Note: shard storage]), and the runtime asks a shard's home where it lives ([Note: shard home]): the offload
+    flag is read only where the storages are chosen (``storages.param_storage``) and as ParamPolicy's field."""
+    writes = [w for name in STORAGE_FILES for w in _param_writes(PACKAGE / "_runtime" / name)]
+    assert not writes, writes
+    runtime = sorted((PACKAGE / "_runtime").glob("*.py"))
+    readers = {p.name: p.read_text(encoding="utf-8").count("offload_to_cpu") for p in runtime}
+    assert {name: n for name, n in readers.items() if n} == {"param_policy.py": 1, "storages.py": 1}, readers

@@ -69,7 +69,7 @@ def pack_host_shards(group: GroupView, arena: HostArena | None, pin: bool) -> Ho
     buffer, pinning = exact_host_bytes(total, pin)
     for (param, tensor), offset in zip(members, offsets):
         view = buffer.narrow(0, offset, tensor.nbytes).view(tensor.dtype).view(tensor.shape)
-        _adopt(param, view.copy_(tensor))
+        param.adopt_host(view.copy_(tensor))
     return HostArena(buffer, pinning)
 
 
@@ -77,9 +77,3 @@ def _inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
     same = tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     return same and start <= tensor.data_ptr() <= end  # <=: a tensor of no bytes may sit at the end
-
-
-def _adopt(param: FSDPParam, view: torch.Tensor) -> None:
-    """Point ``param`` (and its registered DTensor) at ``view``, its host tensor's new home."""
-    param.storage.adopt_host(param, view)
-    param.sharded_param._local_tensor = param.local_view  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ class HostMasters(ShardStorage):
     def register(self, param: FSDPParam) -> tuple[torch.Tensor, DTensorSpec]:
         device = param.mesh_info.device
         if param.padded_shard.device.type not in ("meta", device.type):  # host parameters on a device mesh
-            param.unit.adopt(param.padded_shard.to(device))
+            param.adopt_shard(param.padded_shard.to(device))
         self.host_padded = _host_twin(param.padded_shard)
         return self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows), param.sharded_spec
 
@@ -52,7 +52,7 @@ class HostMasters(ShardStorage):
 
     def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
         self.host_padded = view
-        param.local_view = view.narrow(param.shard_dim, 0, param.layout.local_rows)
+        param.register_view(view.narrow(param.shard_dim, 0, param.layout.local_rows))
 
     def local_of_full(self, param: FSDPParam, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full value, on the host like the master (no communication)."""
@@ -65,9 +65,9 @@ class HostMasters(ShardStorage):
         shard = torch.zeros(param.padded_shape, dtype=local.dtype, device=device)
         if device.type != "meta" and param.layout.local_rows:
             shard.narrow(param.shard_dim, 0, param.layout.local_rows).copy_(local.detach())
-        param.unit.adopt(shard)
+        param.adopt_shard(shard)
         self.host_padded = _host_twin(shard)
-        param.local_view = self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows)
+        param.register_view(self.host_padded.narrow(param.shard_dim, 0, param.layout.local_rows))
         return True
 
 

@@ -76,7 +76,7 @@ class ShardStorage:
 
     def adopt_host(self, param: FSDPParam, view: torch.Tensor) -> None:
         """``view`` (of the group's host buffer, a copy of ``host_tensor``) becomes that tensor's home."""
-        param.unit.adopt(view)
+        param.adopt_shard(view)
 
     def local_shape(self, param: FSDPParam) -> tuple[int, ...]:
         """Shape of the registered local tensor (and of its sharded gradient)."""
@@ -106,12 +106,13 @@ class ShardStorage:
 # pieces and host masters is which tensor the modules hold (a view of the padded shard, a piece of it, a host
 # copy of it), its spec, its gradient's layout and how a renewed local tensor is taken in. That is the
 # parameter's ``storage`` (``ShardStorage`` and its strategies), asked at those points; the sharded Parameter
-# is made once, from what the storage registers. Where the padded shard itself lives (on its device, or on the
-# host under CPU offload) is the storage's home, given to it where it is chosen ([Note: shard home] in
-# shard_home.py): the parameter, its unit and its unsharded state ask the home, never the offload policy. Where
-# the group keeps its shards fresh (HFSDP's replica all-gather, host masters' copy to the device, ZeRO-1/2's kept
-# storage) and packs its host tensors (CPU offload's host buffer) stays with the group ([Note: group storage] in
-# seams.py).
+# is made once, from what the storage registers; a storage changes the parameter only through its named
+# methods (``adopt_shard``, ``register_view``), never by writing its fields. Where the padded shard itself
+# lives (on its device, or on the host under CPU offload) is the storage's home, given to it where it is chosen
+# ([Note: shard home] in shard_home.py): the parameter, its unit and its unsharded state ask the home, never
+# the offload policy. Where the group keeps its shards fresh (HFSDP's replica all-gather, host masters' copy to
+# the device, ZeRO-1/2's kept storage) and packs its host tensors (CPU offload's host buffer) stays with the
+# group ([Note: group storage] in seams.py).
 
 
 class FSDPParam(GradientState, UnshardedState):
@@ -218,6 +219,24 @@ class FSDPParam(GradientState, UnshardedState):
         if padded.device.type != "meta" and self.layout.local_rows:
             padded.narrow(self.shard_dim, 0, self.layout.local_rows).copy_(local.detach())
         return padded
+
+    # ---- what its storage changes (storages call these, never write its fields: [Note: shard storage]) ----
+    def adopt_shard(self, padded: torch.Tensor) -> None:
+        """``padded`` becomes the padded shard the all-gather reads; its unit makes the views the hot path reads
+        ([Note: gather units])."""
+        self.unit.adopt(padded)
+
+    def register_view(self, local: torch.Tensor) -> None:
+        """``local`` becomes the registered DTensor's local tensor (a replica piece, a host master), in place of
+        the padded shard's first rows."""
+        self.local_view = local
+        self.sharded_param._local_tensor = local  # type: ignore[attr-defined]
+
+    def adopt_host(self, view: torch.Tensor) -> None:
+        """``view``, of its group's host buffer, becomes the home of its host tensor (its storage says which:
+        the shard or the master), and the registered DTensor points at it ([Note: one host buffer per group])."""
+        self.storage.adopt_host(self, view)
+        self.sharded_param._local_tensor = self.local_view  # type: ignore[attr-defined]
 
     def sync_extension(self, quantized: bool) -> bool:
         """Its all-gather hooks looked up again; True when its unit changed ([Note: gather units])."""

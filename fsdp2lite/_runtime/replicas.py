@@ -92,8 +92,8 @@ class ReplicaPieces(ShardStorage):
             if param.padded_shard.device.type != "meta":
                 chunk.copy_(param.padded_shard)
             self.piece.local_of(chunk).copy_(local.detach())
-        param.unit.adopt(chunk)
-        param.local_view = self.piece.local_of(chunk)
+        param.adopt_shard(chunk)
+        param.register_view(self.piece.local_of(chunk))
         return True
 
 
