@@ -111,7 +111,7 @@ def check_accumulation_in_reduce_dtype(rank: int, ws: int) -> None:
             model.set_requires_gradient_sync(micro == 2)
             mlp_loss(model, mlp_batch(micro, rank)).backward()
             if micro == 0 and model is ours:
-                stash = ours.blocks[0]._fsdp_state.group.params[0].accumulated_grad
+                stash = ours.blocks[0]._fsdp_state.group.params[0].grads.accumulated_grad
                 assert stash is not None and stash.dtype == torch.float32
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-2, atol=1e-4, msg=name)
@@ -149,7 +149,8 @@ def check_accumulation_keeps_one_reduce_dtype(rank: int, ws: int) -> None:
             model.set_requires_gradient_sync(micro == 2)
             model(xs[micro], uses).float().pow(2).mean().backward()
             if micro < 2:
-                stashed = {p.fqn: p.accumulated_grad.dtype for p in params if p.accumulated_grad is not None}
+                kept = {p.fqn: p.grads.accumulated_grad for p in params}
+                stashed = {fqn: grad.dtype for fqn, grad in kept.items() if grad is not None}
                 assert stashed == dict.fromkeys(["a.weight", "a.bias", "c.weight", "c.bias"], torch.float32), stashed
                 assert not [kind for kind, _ in mode.seen if kind == "reduce"], mode.seen  # nothing reduced yet
     assert [dtype for kind, dtype in mode.seen if kind == "reduce"] == [torch.float32], mode.seen

@@ -24,7 +24,7 @@ def take_unsharded_grads(
     params: list[FSDPParam] = []
     grads: list[torch.Tensor] = []
     for param in group_params:
-        grad = param.take_unsharded_grad() if param.requires_grad else None
+        grad = param.grads.take() if param.requires_grad else None
         if grad is None and param.requires_grad and zeros_for_unused:
             grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
         if grad is not None:

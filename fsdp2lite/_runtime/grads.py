@@ -29,7 +29,7 @@ DTensor and redistributed once, at the reducing backward: one tp all-reduce per 
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -37,23 +37,35 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
-class GradientState:
-    """The gradient half of ``FSDPParam``: what it keeps between backwards and hands to the reduction."""
+class GradsOwner(Protocol):
+    """What a parameter's gradients read of their ``param.FSDPParam`` (which imports this module: no import back)."""
 
-    fqn: str
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype  # dtype of the reduce-scatter, the tp all-reduce and accumulation with sync off
     tp_spec: DTensorSpec | None
-    unsharded_param: nn.Parameter | None
+
+    @property
+    def unsharded_param(self) -> nn.Parameter | None: ...
+
+
+class ParamGrads:
+    """The gradients of one parameter (the parameter holds it as ``grads``): what it keeps between backwards
+    and hands to the reduction."""
+
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
     partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
 
+    def __init__(self, param: GradsOwner) -> None:
+        self.param = param
+        self.accumulated_grad = self.partial_reduced_grad = None
+
     def _pop_autograd_grad(self) -> torch.Tensor | None:
         """This backward's gradient as autograd wrote it (a tp DTensor under TP), taken off the parameter."""
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
+        unsharded = self.param.unsharded_param
+        if unsharded is None or unsharded.grad is None:
             return None
-        grad = self.unsharded_param.grad
-        self.unsharded_param.grad = None
+        grad = unsharded.grad
+        unsharded.grad = None
         return grad
 
     def _to_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -61,30 +73,31 @@ class GradientState:
         dtype ([Note: tensor-parallel gradient reduce]); a plain gradient as it is."""
         if not isinstance(grad, DTensor):
             return grad
-        spec = self.tp_spec
+        spec = self.param.tp_spec
         if spec is not None and tuple(grad.placements) != tuple(spec.placements):
-            grad = cast(DTensor, grad.to(self.reduce_dtype)).redistribute(
+            grad = cast(DTensor, grad.to(self.param.reduce_dtype)).redistribute(
                 spec.mesh, spec.placements
             )  # Partial -> Replicate
         return grad._local_tensor  # type: ignore[attr-defined]
 
-    def stash_unsharded_grad(self) -> None:
+    def stash(self) -> None:
         """Gradient sync is off: keep this backward's gradient for the next synchronising one.
 
         In the param dtype autograd keeps accumulating into ``.grad``; when the reduce dtype differs
         the sum is kept in the reduce dtype instead (a tp DTensor under TP, reduced once at the end).
         """
-        if self.reduce_dtype == self.param_dtype:
+        reduce_dtype = self.param.reduce_dtype
+        if reduce_dtype == self.param.param_dtype:
             return
         grad = self._pop_autograd_grad()
         if grad is None:
             return  # no gradient this microbatch: the sum so far stays as it is
         if self.accumulated_grad is None:
-            self.accumulated_grad = grad.to(self.reduce_dtype)
+            self.accumulated_grad = grad.to(reduce_dtype)
         else:
             self.accumulated_grad.add_(grad)
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
+    def take(self) -> torch.Tensor | None:
         """The whole unsharded gradient to reduce (stashed sum + this backward's), detached, local."""
         grad = self._pop_autograd_grad()
         accumulated, self.accumulated_grad = self.accumulated_grad, None
@@ -94,19 +107,23 @@ class GradientState:
             grad = accumulated
         return None if grad is None else self._to_local_grad(grad)
 
-    def drop_unsharded_grad(self) -> None:
+    def drop(self) -> None:
         """Forget this backward's gradient and any stashed sum, with no communication (after a failure)."""
         self._pop_autograd_grad()
         self.accumulated_grad = None
 
-    def keep_partial_reduced_grad(self, padded_grad: torch.Tensor) -> None:
+    def clear(self) -> None:
+        """Forget every kept sum, with no communication (the parameter's dtype changed: ``module.to``)."""
+        self.accumulated_grad = self.partial_reduced_grad = None
+
+    def keep_partial_reduced(self, padded_grad: torch.Tensor) -> None:
         """HSDP with the all-reduce off: add this reduce-scatter's replica-local sum to the kept one."""
         if self.partial_reduced_grad is None:
             self.partial_reduced_grad = padded_grad.clone()  # the flat output buffer is freed after this
         else:
             self.partial_reduced_grad.add_(padded_grad)
 
-    def add_partial_reduced_grad(self, padded_grad: torch.Tensor) -> torch.Tensor | None:
+    def add_partial_reduced(self, padded_grad: torch.Tensor) -> torch.Tensor | None:
         """Before the all-reduce: fold the kept replica-local sums into this reduce-scatter's slot.
 
         Returns the folded tensor (or None) so the caller can keep it alive while a stream reads it.

@@ -263,7 +263,7 @@ class FSDPParamGroup:
             self.reshard()
         if not self.controls.requires_gradient_sync:
             for param in self.params:
-                param.stash_unsharded_grad()  # kept unsharded until a backward with sync on
+                param.grads.stash()  # kept unsharded until a backward with sync on
             return
         self.finish_reduce_scatter()  # a second use of the group in one step: apply the first
         unused = self.controls.reduce_scatter_unused_params
@@ -317,7 +317,7 @@ class FSDPParamGroup:
         self.reshard()
         if drop_unsharded_grads:
             for param in self.params:
-                param.drop_unsharded_grad()  # a partial sum from the failed backward; no collective
+                param.grads.drop()  # a partial sum from the failed backward; no collective
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
 

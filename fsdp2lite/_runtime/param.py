@@ -35,7 +35,7 @@ from ..mesh import MeshInfo, sharded_placements
 from ..policies import cast_dtype
 from .extension import carry_instance_hooks, contiguous_stride
 from .gather_units import GatherUnit, gather_unit, sync_unit
-from .grads import GradientState
+from .grads import ParamGrads
 from .identity import original_uid
 from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
@@ -115,7 +115,7 @@ class ShardStorage:
 # group ([Note: group storage] in seams.py).
 
 
-class FSDPParam(GradientState, UnshardedState):
+class FSDPParam(UnshardedState):
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
@@ -145,10 +145,9 @@ class FSDPParam(GradientState, UnshardedState):
     unit: GatherUnit  # its part of the group's all-gather, plain or through hooks: [Note: gather units]
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     storage: ShardStorage  # where the shard lives and what is registered: [Note: shard storage]
-    accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype, when it differs from param_dtype
-    partial_reduced_grad: torch.Tensor | None  # HSDP, all-reduce off: replica-local sum, (padded_numel,)
-    # the gradient methods: GradientState (grads.py); the unsharded storage and registrations: UnshardedState
-    # (unsharded.py); its shard and all-gather part: its GatherUnit (gather_units.py)
+    grads: ParamGrads  # its unsharded gradient between autograd and the reduction, and the kept sums: grads.py
+    # the unsharded storage and registrations: UnshardedState (unsharded.py); its shard and all-gather part: its
+    # GatherUnit (gather_units.py)
 
     def __init__(
         self,
@@ -172,8 +171,7 @@ class FSDPParam(GradientState, UnshardedState):
         self.shard_dim = shard_dim
         self.policy = policy
         self._set_dtypes(param.dtype)
-        self.accumulated_grad = None
-        self.partial_reduced_grad = None
+        self.grads = ParamGrads(self)
         self.orig_param_ref = weakref.ref(param)
         self.orig_uid = original_uid(param)
         data: torch.Tensor = param.detach()
@@ -309,4 +307,4 @@ class FSDPParam(GradientState, UnshardedState):
         meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), dtype)
         self.sharded_spec = DTensorSpec(self.sharded_spec.mesh, self.sharded_spec.placements, tensor_meta=meta)
         self.sharded_param._spec = self.sharded_spec  # type: ignore[attr-defined]
-        self.accumulated_grad = self.partial_reduced_grad = None
+        self.grads.clear()

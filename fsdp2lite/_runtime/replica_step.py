@@ -61,7 +61,7 @@ class ReplicaAllReduce:
         self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
     ) -> torch.Tensor | None:
         with comm.after("all_reduce", comm.record_current()):  # the all-reduce reads the reduced output
-            folded = [param.add_partial_reduced_grad(slot) for param, slot in _slots(output, params)]
+            folded = [param.grads.add_partial_reduced(slot) for param, slot in _slots(output, params)]
             work = self.collective.all_reduce(output, self.replicas, async_op=comm.async_work)
             size = self.replicas.size
             meters.count("replica_all_reduce", 2 * output.nbytes * (size - 1) // size)
@@ -81,19 +81,19 @@ class ReplicaReduceScatter:
         self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
     ) -> torch.Tensor | None:
         for param, slot in _slots(output, params):
-            param.add_partial_reduced_grad(slot)
+            param.grads.add_partial_reduced(slot)
         return self.replicas.reduce_scatter(output, params)
 
 
 class DeferredReplicas:
     """HSDP or HFSDP with ``set_requires_all_reduce(False)``: the replica-local sums are kept on the
-    parameters (``partial_reduced_grad``) and added in by the next step across replicas; nothing is lost."""
+    parameters (``param.grads.partial_reduced_grad``) and added in by the next step across replicas; nothing is lost."""
 
     def reduce(
         self, output: torch.Tensor, params: tuple[FSDPParam, ...], comm: Comm, meters: Meters
     ) -> torch.Tensor | None:
         for param, slot in _slots(output, params):
-            param.keep_partial_reduced_grad(slot)
+            param.grads.keep_partial_reduced(slot)
         return None
 
 
