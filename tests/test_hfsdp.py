@@ -142,7 +142,7 @@ def scenario_bytes(rank: int, ws: int) -> None:
         opt.step()
         state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
         assert _local_bytes(state) == 2 * total // 4  # ZeRO-1/2 and ZeRO-3: a quarter, as HFSDP on (2, 2)
-        kept = sum(p.unsharded_flat.untyped_storage().nbytes() for g in _groups(model) for p in g.params)
+        kept = sum(p.unsharded.unsharded_flat.untyped_storage().nbytes() for g in _groups(model) for p in g.params)
         assert kept == resident, (sharding, kept)  # ZeRO-1/2 keeps every parameter whole between steps
     groups = _groups(hfsdp)
     batch = even_batch(6, rank)

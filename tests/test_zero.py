@@ -86,9 +86,9 @@ def scenario_one_all_gather_per_group_per_step(rank: int, ws: int) -> None:
     assert skipped >= len(_groups(resident)), skipped
     for group in _groups(resident):  # between steps: DTensors registered, the unsharded storage kept
         assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in group.modules[0].parameters())
-        assert all(param.unsharded_flat.untyped_storage().nbytes() > 0 for param in group.params)
+        assert all(param.unsharded.unsharded_flat.untyped_storage().nbytes() > 0 for param in group.params)
     for group in _groups(zero3):
-        assert all(param.unsharded_flat.untyped_storage().nbytes() == 0 for param in group.params)
+        assert all(param.unsharded.unsharded_flat.untyped_storage().nbytes() == 0 for param in group.params)
 
 
 def scenario_never_stale(rank: int, ws: int) -> None:

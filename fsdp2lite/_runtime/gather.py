@@ -28,7 +28,7 @@ Everything here runs once per group per use, so it is written as a few ops over 
 a loop of ops per parameter: copy-in is one ``cat`` into this rank's slot (one ``_foreach_copy_`` from
 pinned host shards under CPU offload, non-blocking); copy-out is one ``split_with_sizes_copy`` into each
 parameter's padded unsharded storage ([Note: unsharded storage]). The views that do not change between
-steps are made once (``FSDPParam.flat_shard``, ``all_gather_view``) and so are the forms' lists.
+steps are made once (``FSDPParam.flat_shard``, its unsharded storage's ``all_gather_view``) and so are the forms' lists.
 
 [Note: copy-out by views]
 A group of one parameter whose gathered rows are it followed by padding (sharded on dim 0, unaligned:
@@ -146,7 +146,7 @@ class PlainGather:
         self.direct = len(params) == 1 and contiguous and not collective.user_buffers
 
     def issue(self, comm: Comm, meters: Meters) -> AllGatherResult:
-        into = self.params[0].alloc_unsharded() if self.direct else None
+        into = self.params[0].unsharded.alloc() if self.direct else None
         return issue_all_gather(
             self.sources, self.numels, self.ranks, self.dtype, comm, self.collective, into=into, meters=meters
         )
@@ -322,7 +322,7 @@ def copy_out_all_gather(
         for param in params:  # in byte_sources' order: a hook's inputs, or one flat shard
             outputs.extend(param.unit.output_views(group_size, numels[len(outputs)]))
     else:
-        outputs = [param.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
+        outputs = [param.unsharded.copy_out_view(group_size, numel) for param, numel in zip(params, numels)]
     torch.split_with_sizes_copy(all_gather_output.view(group_size, -1), numels, dim=1, out=outputs)
 
 
@@ -337,7 +337,7 @@ def post_forward_shards(params: tuple[FSDPParam, ...], size: int, rank: int) -> 
     buffer = torch.zeros(sum(numels), dtype=params[0].param_dtype, device=params[0].device)
     offset = 0
     for param, layout, numel in zip(params, layouts, numels):
-        unsharded = param.unsharded_local
+        unsharded = param.unsharded.unsharded_local
         if unsharded is None:
             raise RuntimeError(f"{param.fqn}: resharding to a post-forward group before it was unsharded")
         local = layout.local_of(unsharded.detach())  # this rank's rows, may be short

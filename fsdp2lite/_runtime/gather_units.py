@@ -53,15 +53,22 @@ class UnitParam(Protocol):
     flat_shard: torch.Tensor
     local_view: torch.Tensor
     sharded_param: Any  # an nn.Parameter holding a DTensor
-    unsharded_flat: torch.Tensor | None
-    unsharded_local: torch.Tensor | None
-    unsharded_param: nn.Parameter | None
-    all_gather_view: torch.Tensor | None
     unit: GatherUnit
+
+    @property
+    def unsharded(self) -> UnitUnsharded: ...
 
     def new_padded_shard(self, local: torch.Tensor) -> torch.Tensor: ...
 
+
+class UnitUnsharded(Protocol):
+    """What a unit reads and writes of its parameter's ``unsharded.UnshardedStorage`` (which imports this module)."""
+
+    unsharded_param: nn.Parameter | None
+
     def copy_out_view(self, group_size: int, numel: int) -> torch.Tensor: ...
+
+    def discard(self) -> None: ...
 
 
 class GatherUnit(Protocol):
@@ -152,7 +159,7 @@ class PlainUnit:
 
     def output_views(self, group_size: int, nbytes: int) -> list[torch.Tensor]:
         numel = nbytes // self.param.param_dtype.itemsize
-        return [self.param.copy_out_view(group_size, numel).view(torch.uint8)]
+        return [self.param.unsharded.copy_out_view(group_size, numel).view(torch.uint8)]
 
     def finish(self) -> None:
         pass
@@ -219,9 +226,9 @@ class HookedUnit:
         """After the copy-out into the hook's output buffers: build or refill the unsharded tensor."""
         p = self.param
         local = p.sharded_param._local_tensor  # type: ignore[attr-defined]
-        made = self.extension.unsharded(local, p.param_dtype, p.orig_shape, p.unsharded_param)
+        made = self.extension.unsharded(local, p.param_dtype, p.orig_shape, p.unsharded.unsharded_param)
         if made is not None:
-            p.unsharded_param = nn.Parameter(made, requires_grad=p.sharded_param.requires_grad)
+            p.unsharded.unsharded_param = nn.Parameter(made, requires_grad=p.sharded_param.requires_grad)
 
     def reallocate(self) -> None:
         self.extension.reallocate()  # a regather: its hook is not called again
@@ -255,5 +262,5 @@ def sync_unit(param: UnitParam, quantized: bool) -> bool:
         unit = HookedUnit(param, extension)
     param.unit = unit
     param.flat_shard = unit.flat(param.padded_shard)  # the local view stays: the DTensor holds it
-    param.unsharded_flat = param.unsharded_local = param.unsharded_param = param.all_gather_view = None
+    param.unsharded.discard()
     return True

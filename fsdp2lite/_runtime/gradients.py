@@ -26,7 +26,7 @@ def take_unsharded_grads(
     for param in group_params:
         grad = param.grads.take() if param.requires_grad else None
         if grad is None and param.requires_grad and zeros_for_unused:
-            grad = param.zero_unsharded_grad()  # the same collective on every rank, whatever it used
+            grad = param.unsharded.zeros()  # the same collective on every rank, whatever it used
         if grad is not None:
             params.append(param)
             grads.append(grad if param.layout.gathered_is_contiguous else param.layout.rank_major(grad))

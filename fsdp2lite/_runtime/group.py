@@ -74,7 +74,7 @@ class FSDPParamGroup:
         settings = spec.settings
         self.name = type(spec.modules[0]).__name__
         self.params = params
-        self._copied_out_params = tuple(p for p in params if not p.layout.gathered_is_contiguous)
+        self._copied_out = tuple(p.unsharded for p in params if not p.layout.gathered_is_contiguous)
         self._rebuilding_units = tuple(p.unit for p in params if p.unit.rebuilds)  # [Note: gather units]
         self.modules = spec.modules
         self.mesh_info = context.mesh_info
@@ -192,8 +192,8 @@ class FSDPParamGroup:
             self.comm.wait(pending.result.work, pending.result.event)  # CPU: written; CUDA: compute orders after
         output = pending.result.all_gather_output
         direct = pending.form.copy_out(output)  # the output is the parameter itself: [Note: copy-out by views]
-        for param in self._copied_out_params:
-            param.finish_copy_out()  # not a view of the gathered rows (another dim, aligned): [Note: padded shard]
+        for unsharded in self._copied_out:
+            unsharded.finish_copy_out()  # not a view of the gathered rows (another dim, aligned): [Note: padded shard]
         for unit in self._rebuilding_units:
             unit.finish()  # the subclass rebuilds its unsharded tensor: [Note: gather units]
         kept = None

@@ -40,7 +40,7 @@ from .identity import original_uid
 from .layout import ShardLayout
 from .param_policy import ParamPlace, ParamPolicy
 from .shard_home import DEVICE, DeviceHome
-from .unsharded import UnshardedState, make_dtensor
+from .unsharded import UnshardedStorage, make_dtensor
 
 # [Note: frozen]
 # Whether a parameter trains is the sharded parameter's ``requires_grad``, read when it is needed: the
@@ -109,13 +109,13 @@ class ShardStorage:
 # is made once, from what the storage registers; a storage changes the parameter only through its named
 # methods (``adopt_shard``, ``register_view``), never by writing its fields. Where the padded shard itself
 # lives (on its device, or on the host under CPU offload) is the storage's home, given to it where it is chosen
-# ([Note: shard home] in shard_home.py): the parameter, its unit and its unsharded state ask the home, never
+# ([Note: shard home] in shard_home.py): the parameter, its unit and its unsharded storage ask the home, never
 # the offload policy. Where the group keeps its shards fresh (HFSDP's replica all-gather, host masters' copy to
 # the device, ZeRO-1/2's kept storage) and packs its host tensors (CPU offload's host buffer) stays with the
 # group ([Note: group storage] in seams.py).
 
 
-class FSDPParam(UnshardedState):
+class FSDPParam:
     """A parameter managed by fully_shard: sharded on dim 0, unsharded on demand."""
 
     fqn: str  # name relative to the module fully_shard was called on (for messages)
@@ -132,10 +132,7 @@ class FSDPParam(UnshardedState):
     local_view: torch.Tensor  # padded_shard.narrow(d, 0, local_rows): the DTensor's local tensor, as made here
     sharded_spec: DTensorSpec  # placements, global shape and stride, orig dtype: for the param and its grad
     sharded_param: DTensor  # an nn.Parameter holding a DTensor; local tensor local_view
-    unsharded_flat: torch.Tensor | None  # (shard_size * padded_numel,) padded storage: [Note: unsharded storage]
-    unsharded_local: torch.Tensor | None  # the unsharded values in gather_shape (a DTensor's local under TP)
-    unsharded_param: nn.Parameter | None  # holds unsharded_local (or a tp DTensor of it), kept across steps
-    all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
+    unsharded: UnshardedStorage  # its unsharded storage and Parameter, registered in each state: unsharded.py
     orig_param_ref: weakref.ref  # the user's original Parameter, to detect ties across groups
     orig_uid: int  # the original's number, which outlives it ([Note: original identity])
     param_dtype: torch.dtype  # dtype of the all-gather and the unsharded parameter
@@ -146,8 +143,7 @@ class FSDPParam(UnshardedState):
     mp_policy: Any  # the MixedPrecisionPolicy, handed to a 5-argument fsdp_pre_all_gather
     storage: ShardStorage  # where the shard lives and what is registered: [Note: shard storage]
     grads: ParamGrads  # its unsharded gradient between autograd and the reduction, and the kept sums: grads.py
-    # the unsharded storage and registrations: UnshardedState (unsharded.py); its shard and all-gather part: its
-    # GatherUnit (gather_units.py)
+    # its shard and all-gather part: its GatherUnit (gather_units.py)
 
     def __init__(
         self,
@@ -186,11 +182,8 @@ class FSDPParam(UnshardedState):
         sharded = nn.Parameter(make_dtensor(local, self.sharded_spec), requires_grad=param.requires_grad)
         self.local_view = sharded._local_tensor  # type: ignore[attr-defined]  # nn.Parameter detached it: the same view
         self.sharded_param = cast(DTensor, sharded)
-        self.unsharded_flat = None
-        self.unsharded_local = None
-        self.unsharded_param = None
-        self.all_gather_view = None
-        self._set_on_modules(self.sharded_param)
+        self.unsharded = UnshardedStorage(self)
+        self.set_on_modules(self.sharded_param)
 
     def _make_padded_shard(self, data: torch.Tensor) -> None:
         """This rank's padded shard of ``data`` (the parameter, or its tp-local tensor) and the layout around it
@@ -246,6 +239,37 @@ class FSDPParam(UnshardedState):
         return make_dtensor(self.storage.local_of_full(self, full), self.sharded_spec)
 
     @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded parameter, the one users see: freezing it after ``fully_shard``
+        (``p.requires_grad_(False)``, e.g. LoRA) takes effect at the next unshard ([Note: frozen])."""
+        return self.sharded_param.requires_grad
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of one rank's padded shard: each rank's slot in the flat buffers (``layout``'s)."""
+        return self.layout.padded_numel
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's padded shard (``layout``'s): ``gather_shape`` with ``padded_rows`` along d."""
+        return self.layout.padded_shape
+
+    @property
+    def device(self) -> torch.device:
+        """Where this parameter is computed on: the mesh's device when its shard is on the host, else its shard's."""
+        return self.home.compute_device(self.mesh_info.device, self.padded_shard)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter | None:
+        """The unsharded Parameter autograd sees (its ``unsharded`` storage's), None before the first unshard."""
+        return self.unsharded.unsharded_param
+
+    def set_on_modules(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (the sharded or the unsharded parameter) registered at each of its places."""
+        for place in self.places:
+            place.module._parameters[place.name] = cast(nn.Parameter, tensor)
+
+    @property
     def grads_on_host(self) -> bool:
         """Reduced gradients are copied to the host (CPU offload; host masters too)."""
         return self.home.grads_on_host or self.storage.grads_on_host
@@ -285,7 +309,7 @@ class FSDPParam(UnshardedState):
             self.unsharded_param is not None
             and (self.unsharded_param.device != self.device or self.unsharded_param.dtype != self.param_dtype)
         ):
-            self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
+            self.unsharded.discard()
         return True
 
     def _new_local(self) -> torch.Tensor | None:
@@ -294,7 +318,7 @@ class FSDPParam(UnshardedState):
         registered = self.places[0].module._parameters[self.places[0].name]
         if isinstance(registered, DTensor) and registered is not self.sharded_param:
             self.sharded_param = registered  # type: ignore[assignment]
-            self._set_on_modules(self.sharded_param)
+            self.set_on_modules(self.sharded_param)
         # DTensor has no public getter or setter for its local tensor without autograd in between.
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         return None if local is self.local_view else local

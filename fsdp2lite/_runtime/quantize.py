@@ -135,7 +135,7 @@ def copy_out_quantized(
     scratch_views = torch.split(scratch, pads, dim=1)
     outputs, sizes = [], []
     for param, pad, waste in zip(params, pads, scratch_views):
-        outputs.append(param.copy_out_view(group_size, param.padded_numel))
+        outputs.append(param.unsharded.copy_out_view(group_size, param.padded_numel))
         sizes.append(param.padded_numel)
         if pad:
             outputs.append(waste)

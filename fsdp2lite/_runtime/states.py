@@ -72,7 +72,7 @@ class ShardedStates:
         (``kept``: what a byte group keeps for its post-forward regather)."""
         self._leave(ShardedState.UNSHARDED, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
         for param in self.group.params:
-            param.to_unsharded()
+            param.unsharded.to_unsharded()
         self.regather = None  # consumed: [Note: buffer lifetime]
         self.post_forward_kept = kept
         self.current = ShardedState.UNSHARDED
@@ -87,7 +87,7 @@ class ShardedStates:
             allowed = (*allowed, ShardedState.SHARDED)
         self._leave(ShardedState.SHARDED, *allowed)
         for param in self.group.params:
-            param.to_sharded(keep)
+            param.unsharded.to_sharded(keep)
         self.regather = self.post_forward_kept = None
         self.current = ShardedState.SHARDED
 
@@ -95,7 +95,7 @@ class ShardedStates:
         """UNSHARDED -> SHARDED_POST_FORWARD: only this rank's chunks over the post-forward group kept."""
         self._leave(ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED)
         for param in self.group.params:
-            param.to_sharded()
+            param.unsharded.to_sharded()
         self.regather, self.post_forward_kept = regather, None
         self.current = ShardedState.SHARDED_POST_FORWARD
 

@@ -1,5 +1,5 @@
-"""The unsharded half of ``FSDPParam``: the padded unsharded storage, made once and refilled at every unshard,
-and the Parameter the modules hold in each state ([Note: unsharded storage]).
+"""A parameter's unsharded storage (the parameter holds it as ``unsharded``): the padded storage, made once and
+refilled at every unshard, and the Parameter the modules hold in each state ([Note: unsharded storage]).
 
 [Note: unsharded storage]
 Resharding frees the unsharded parameter's storage (resize to 0 bytes) and unsharding re-allocates
@@ -16,7 +16,7 @@ parameter followed by padding, ``layout.gathered_is_contiguous``; else storage o
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,6 @@ from ..mesh import MeshInfo
 from .extension import contiguous_stride, ensure_allocated
 from .gather_units import GatherUnit
 from .layout import ShardLayout
-from .shard_home import DeviceHome
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -36,57 +35,45 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor.__new__(DTensor, local, spec, requires_grad=False)  # DTensor.__init__ does nothing: skipped
 
 
-class UnshardedState:
-    """Where ``FSDPParam``'s shard and unsharded storage sit and what the modules hold: the layout properties,
-    the unsharded storage's allocation and copy-out, and the two registrations (``to_unsharded``,
-    ``to_sharded``) the group's state machine calls."""
+class UnshardedOwner(Protocol):
+    """What an unsharded storage reads of its ``param.FSDPParam`` (which imports this module: no import back)."""
 
     fqn: str
-    places: tuple[Any, ...]  # ParamPlace
     mesh_info: MeshInfo
     orig_shape: torch.Size
-    shard_dim: int
     tp_spec: DTensorSpec | None
     gather_shape: torch.Size
     layout: ShardLayout
-    padded_shard: torch.Tensor
-    flat_shard: torch.Tensor
     sharded_param: DTensor
-    unsharded_flat: torch.Tensor | None
-    unsharded_local: torch.Tensor | None
-    unsharded_param: nn.Parameter | None
-    all_gather_view: torch.Tensor | None
     param_dtype: torch.dtype
-    home: DeviceHome  # where the padded shard lives: [Note: shard home] in shard_home.py
     unit: GatherUnit
 
     @property
-    def requires_grad(self) -> bool:
-        """Read from the sharded parameter, the one users see: freezing it after ``fully_shard``
-        (``p.requires_grad_(False)``, e.g. LoRA) takes effect at the next unshard ([Note: frozen])."""
-        return self.sharded_param.requires_grad
+    def device(self) -> torch.device: ...
 
-    @property
-    def padded_numel(self) -> int:
-        """Elements of one rank's padded shard: each rank's slot in the flat buffers (``layout``'s)."""
-        return self.layout.padded_numel
+    def set_on_modules(self, tensor: torch.Tensor) -> None: ...
 
-    @property
-    def padded_shape(self) -> tuple[int, ...]:
-        """Shape of this rank's padded shard (``layout``'s): ``gather_shape`` with ``padded_rows`` along d."""
-        return self.layout.padded_shape
 
-    @property
-    def device(self) -> torch.device:
-        """Where this parameter is computed on: the mesh's device when its shard is on the host, else its shard's."""
-        return self.home.compute_device(self.mesh_info.device, self.padded_shard)
+class UnshardedStorage:
+    """One parameter's unsharded storage (the parameter holds it as ``unsharded``): its allocation and copy-out,
+    and the two registrations (``to_unsharded``, ``to_sharded``) the group's state machine calls."""
 
-    def _set_on_modules(self, tensor: torch.Tensor) -> None:
-        for place in self.places:
-            place.module._parameters[place.name] = cast(nn.Parameter, tensor)
+    unsharded_flat: torch.Tensor | None  # (shard_size * padded_numel,) padded storage: [Note: unsharded storage]
+    unsharded_local: torch.Tensor | None  # the unsharded values in gather_shape (a DTensor's local under TP)
+    unsharded_param: nn.Parameter | None  # holds unsharded_local (or a tp DTensor of it), kept across steps
+    all_gather_view: torch.Tensor | None  # unsharded_flat as (shard_size, padded_numel): copy-out target
+
+    def __init__(self, param: UnshardedOwner) -> None:
+        self.param = param
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the storage and the Parameter viewing it: the next unshard makes them anew (a shard renewed on
+        another device or in another dtype, a parameter's all-gather hooks changed)."""
+        self.unsharded_flat = self.unsharded_local = self.unsharded_param = self.all_gather_view = None
 
     # ---- state transitions ----------------------------------------------------------------
-    def alloc_unsharded(self) -> torch.Tensor:
+    def alloc(self) -> torch.Tensor:
         """Allocate the padded unsharded storage; returns it flat, ``(shard_size * padded_numel,)``.
 
         The first call creates the storage, the Parameter viewing it and the copy-out view; later calls
@@ -94,39 +81,42 @@ class UnshardedState:
         parameter followed by padding (sharded on a dim other than 0, or aligned: ``layout.gathered_is_contiguous``),
         the flat storage is a rank-major scratch the all-gather is copied out to, and the parameter has
         storage of its own in ``gather_shape`` (``finish_copy_out`` moves the values over)."""
+        p = self.param
         if self.unsharded_flat is None:
-            shard_size = self.mesh_info.shard_size
-            storage = torch.empty(shard_size * self.padded_numel, dtype=self.param_dtype, device=self.device)
-            if self.layout.gathered_is_contiguous:
-                local = storage[: self.gather_shape.numel()].view(self.gather_shape)
+            shard_size, padded_numel = p.mesh_info.shard_size, p.layout.padded_numel
+            storage = torch.empty(shard_size * padded_numel, dtype=p.param_dtype, device=p.device)
+            if p.layout.gathered_is_contiguous:
+                local = storage[: p.gather_shape.numel()].view(p.gather_shape)
             else:
-                local = torch.empty(self.gather_shape, dtype=self.param_dtype, device=self.device)
+                local = torch.empty(p.gather_shape, dtype=p.param_dtype, device=p.device)
             self.unsharded_local = local
-            self.unsharded_param = nn.Parameter(self._unsharded_tensor(local), requires_grad=self.requires_grad)
+            # requires_grad: the sharded parameter's, the one users see ([Note: frozen])
+            self.unsharded_param = nn.Parameter(self._tensor(local), requires_grad=p.sharded_param.requires_grad)
             # ``.data``: the same storage with a version counter of its own, so refills written through
             # it (and its views) are not in-place modifications in autograd's eyes
             self.unsharded_flat = storage.data
-            self.all_gather_view = self.unsharded_flat.view(shard_size, self.padded_numel)
+            self.all_gather_view = self.unsharded_flat.view(shard_size, padded_numel)
             return self.unsharded_flat
         ensure_allocated(self.unsharded_flat)
-        if self.unsharded_local is not None and not self.layout.gathered_is_contiguous:
+        if self.unsharded_local is not None and not p.layout.gathered_is_contiguous:
             ensure_allocated(self.unsharded_local)
         return self.unsharded_flat
 
-    def _unsharded_tensor(self, local: torch.Tensor) -> torch.Tensor:
+    def _tensor(self, local: torch.Tensor) -> torch.Tensor:
         """What the modules see unsharded: ``local``, or under TP a DTensor of it on the tp mesh."""
-        spec = self.tp_spec
+        p = self.param
+        spec = p.tp_spec
         if spec is None:
             return local
-        meta = TensorMeta(self.orig_shape, contiguous_stride(self.orig_shape), self.param_dtype)
+        meta = TensorMeta(p.orig_shape, contiguous_stride(p.orig_shape), p.param_dtype)
         return make_dtensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
 
     def copy_out_view(self, group_size: int, padded_numel: int) -> torch.Tensor:
         """Where a ``group_size``-rank all-gather with ``padded_numel`` elements per rank is copied out:
         the cached ``(shard_size, padded_numel)`` view for the shard group, else (a post-forward group
         of k ranks, [Note: post-forward reshard]) the first ``group_size * padded_numel`` elements."""
-        flat = self.alloc_unsharded()
-        if group_size == self.mesh_info.shard_size and self.all_gather_view is not None:
+        flat = self.alloc()
+        if group_size == self.param.mesh_info.shard_size and self.all_gather_view is not None:
             return self.all_gather_view
         return flat[: group_size * padded_numel].view(group_size, padded_numel)
 
@@ -135,33 +125,35 @@ class UnshardedState:
         move the rank-major copy-out (rank r's padded chunk at row r) into the parameter, chunks side by side
         along d (``layout.from_rank_major``), and free the scratch. Nothing to do otherwise: the copy-out
         wrote the parameter itself."""
-        if self.layout.gathered_is_contiguous or self.unsharded_flat is None or self.unsharded_local is None:
+        layout = self.param.layout
+        if layout.gathered_is_contiguous or self.unsharded_flat is None or self.unsharded_local is None:
             return
-        self.layout.from_rank_major(self.unsharded_flat, self.unsharded_local.data)
+        layout.from_rank_major(self.unsharded_flat, self.unsharded_local.data)
         self.unsharded_flat.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
         """Register the (already filled) unsharded parameter on the modules (only the group's
         ``ShardedStates.to_unsharded`` calls it: the group's state is the parameters')."""
-        unsharded = self.unsharded_param
+        unsharded, sharded = self.unsharded_param, self.param.sharded_param
         if unsharded is None:
-            raise RuntimeError(f"{self.fqn}: to_unsharded() before its storage was allocated")
-        if unsharded.requires_grad != self.sharded_param.requires_grad:  # [Note: frozen]
-            unsharded.requires_grad_(self.sharded_param.requires_grad)
-        self._set_on_modules(unsharded)
+            raise RuntimeError(f"{self.param.fqn}: to_unsharded() before its storage was allocated")
+        if unsharded.requires_grad != sharded.requires_grad:  # [Note: frozen]
+            unsharded.requires_grad_(sharded.requires_grad)
+        self.param.set_on_modules(unsharded)
 
     def to_sharded(self, keep: bool = False) -> None:
         """Register the sharded DTensor on the modules and free the unsharded storage (``keep``: not)."""
-        self._set_on_modules(self.sharded_param)
+        self.param.set_on_modules(self.param.sharded_param)
         if keep:  # a resident group's storage stays for its next forward: [Note: resident groups]
             return
-        self.unit.free()  # a hooked parameter's output buffers: [Note: gather units]
+        self.param.unit.free()  # a hooked parameter's output buffers: [Note: gather units]
         if self.unsharded_flat is not None:
             self.unsharded_flat.untyped_storage().resize_(0)  # [Note: unsharded storage]
-        if self.unsharded_local is not None and not self.layout.gathered_is_contiguous:
+        if self.unsharded_local is not None and not self.param.layout.gathered_is_contiguous:
             self.unsharded_local.untyped_storage().resize_(0)
 
-    def zero_unsharded_grad(self) -> torch.Tensor:
+    def zeros(self) -> torch.Tensor:
         """Zeros in the unsharded gradient's shape and dtype: what an unused parameter contributes
         (``set_reduce_scatter_unused_params``)."""
-        return torch.zeros(self.gather_shape, dtype=self.param_dtype, device=self.device)
+        p = self.param
+        return torch.zeros(p.gather_shape, dtype=p.param_dtype, device=p.device)
