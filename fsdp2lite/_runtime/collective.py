@@ -158,17 +158,17 @@ class GlooInPlace(Native):
         return dist.all_reduce(input, op=dist.ReduceOp.SUM, group=ranks.group, async_op=async_op)
 
 
-class CustomAllGather:
-    """The user's all-gather and its output buffers (``set_custom_all_gather``); the rest is ``base``'s."""
+class _OverBase:
+    """A collective that runs ``base``'s collectives and buffers except where a subclass puts the user's in."""
 
     user_buffers = True
 
-    def __init__(self, base: Collective, comm: AllGatherComm) -> None:
-        self.base, self.comm = base, comm
+    def __init__(self, base: Collective) -> None:
+        self.base = base
         self.in_place = base.in_place
 
     def gather_buffer(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.comm.allocate(size, dtype=dtype, device=device)
+        return self.base.gather_buffer(size, dtype, device)
 
     def reduce_buffer(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.base.reduce_buffer(size, dtype, device)
@@ -176,7 +176,7 @@ class CustomAllGather:
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, ranks: Ranks, *, async_op: bool
     ) -> dist.Work | None:
-        return self.comm(output_tensor=output, input_tensor=input, group=ranks.group, async_op=async_op)
+        return self.base.all_gather(output, input, ranks, async_op=async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, ranks: Ranks, *, async_op: bool
@@ -195,26 +195,33 @@ class CustomAllGather:
         return self.base.plain()
 
 
-class CustomReduceScatter:
-    """The user's reduce-scatter and its buffers (``set_custom_reduce_scatter``), never in place; the rest is
-    ``base``'s."""
+class CustomAllGather(_OverBase):
+    """The user's all-gather and its output buffers (``set_custom_all_gather``); the rest is ``base``'s."""
 
-    in_place = False
-    user_buffers = True
-
-    def __init__(self, base: Collective, comm: ReduceScatterComm) -> None:
-        self.base, self.comm = base, comm
+    def __init__(self, base: Collective, comm: AllGatherComm) -> None:
+        super().__init__(base)
+        self.comm = comm
 
     def gather_buffer(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.base.gather_buffer(size, dtype, device)
-
-    def reduce_buffer(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.comm.allocate(size, dtype=dtype, device=device)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, ranks: Ranks, *, async_op: bool
     ) -> dist.Work | None:
-        return self.base.all_gather(output, input, ranks, async_op=async_op)
+        return self.comm(output_tensor=output, input_tensor=input, group=ranks.group, async_op=async_op)
+
+
+class CustomReduceScatter(_OverBase):
+    """The user's reduce-scatter and its buffers (``set_custom_reduce_scatter``), never in place; the rest is
+    ``base``'s."""
+
+    def __init__(self, base: Collective, comm: ReduceScatterComm) -> None:
+        super().__init__(base)
+        self.comm = comm
+        self.in_place = False
+
+    def reduce_buffer(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, ranks: Ranks, *, async_op: bool
@@ -222,17 +229,6 @@ class CustomReduceScatter:
         return self.comm(
             output_tensor=output, input_tensor=input, group=ranks.group, op=dist.ReduceOp.SUM, async_op=async_op
         )
-
-    def all_reduce(self, tensor: torch.Tensor, ranks: Ranks, *, async_op: bool) -> dist.Work | None:
-        return self.base.all_reduce(tensor, ranks, async_op=async_op)
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, ranks: Ranks, *, async_op: bool
-    ) -> dist.Work | None:
-        return self.base.all_to_all(output, input, ranks, async_op=async_op)
-
-    def plain(self) -> Collective:
-        return self.base.plain()
 
 
 def collective_for(group: dist.ProcessGroup, device: torch.device) -> Collective:
