@@ -44,7 +44,6 @@ from ._runtime.storages import param_storage
 from ._snapshot import ModuleSnapshot, all_modules
 from .forward_pass import register_fsdp_forward_method
 from .host import HostEngine
-from .host.nvme import make_nvme_state
 from .mesh import MeshInfo, backend_device_type, default_mesh, mesh_info_for
 from .module import FSDPModule, UnshardHandle
 from .policies import (
@@ -203,10 +202,7 @@ def _make_group(params: tuple[FSDPParam, ...], spec: GroupSpec, mesh_info: MeshI
     _accept_full_tensors_on_load(params)
     if not params:
         return None
-    group = FSDPParamGroup(spec, params, GroupContext(mesh_info, HostEngine()))
-    if params[0].policy.nvme_path is not None:
-        make_nvme_state(group)  # [Note: optimizer state on NVMe]
-    return group
+    return FSDPParamGroup(spec, params, GroupContext(mesh_info, HostEngine()))
 
 
 def _register_composable(modules: tuple[nn.Module, ...]) -> None:

@@ -89,6 +89,8 @@ class FSDPParamGroup:
         self.storages, self.replicas = group_storages(self, settings.sharding)  # [Note: group storage]
         self.keeps_unsharded = any(s.keeps_unsharded for s in self.storages)
         self.forms = GroupForms(params, self.mesh_info, self.replicas, settings.comm or CommPolicy())
+        if params[0].policy.nvme_path is not None:  # the host engine keeps its optimizer state in files
+            self.host.keep_state_in_files(self)
         register_group(self)  # its sharded parameters are fsdp2lite's: identity.py
 
     def _start_idle(self) -> None:

@@ -30,7 +30,10 @@ the same question (what each parameter registers) is its ``ShardStorage`` ([Note
 What runs on the host beside the runtime (the pinned pool reduced gradients land in under CPU offload, the
 worker thread of ``step_in_backward``'s host steps, optimizer state on NVMe) is not the runtime's: it lives in
 ``fsdp2lite/host/``, which imports the runtime, never the reverse. The runtime calls it through ``HostSide`` at
-five points, all in the post-backward path or at the ends of a pass:
+six points: once when a group is made, the others in the post-backward path or at the ends of a pass:
+
+    keep_state_in_files  a group planned with ``optimizer="nvme"`` is made: its parameters' optimizer state lives
+                     in files between steps ([Note: optimizer state on NVMe] in host/nvme.py)
 
     wait_for         before an all-gather reads a group's shards, and before a reduction adds into its
                      gradients: a host step still stepping them must finish first
@@ -126,6 +129,11 @@ class GroupView(Protocol):
 
 class HostSide(Protocol):
     """What the runtime asks of the host engine (``fsdp2lite.host.HostEngine``): [Note: the host engine]."""
+
+    def keep_state_in_files(self, group: GroupView) -> None:
+        """Keep the optimizer state of ``group``'s parameters in files under their policy's ``nvme_path`` between
+        steps ([Note: optimizer state on NVMe]); called once, by the group's constructor."""
+        ...
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
         """Return once no host step in flight reads or writes these sharded parameters or their gradients."""

@@ -1,6 +1,7 @@
 """The host engine: the one object the runtime calls for what runs on the host beside it ([Note: the host engine]
 in ``_runtime/seams.py``): the pool reduced gradients land in under CPU offload (``grad_pool.py``) and the worker
-that runs ``step_in_backward``'s host steps (``steps.py``). One per root after lazy init, shared by its groups.
+that runs ``step_in_backward``'s host steps (``steps.py``); NVMe groups are handed to ``nvme.py``. One per root after
+lazy init, shared by its groups.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from collections.abc import Iterable
 
 import torch
 
+from fsdp2lite._runtime.seams import GroupView
 from fsdp2lite._runtime.trace import Meters
 
 from .grad_pool import HostGradPool
+from .nvme import make_nvme_state
 from .steps import HostSteps, run_post_accumulate_grad_hooks
 
 
@@ -26,6 +29,9 @@ class HostEngine:
         self.meters = None
         self.steps = HostSteps(lambda: None if self.meters is None else self.meters.recorder)
         self.grads = HostGradPool(self.steps.wait)  # the steps free buffers: waited for before making one
+
+    def keep_state_in_files(self, group: GroupView) -> None:
+        make_nvme_state(group)  # [Note: optimizer state on NVMe]
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
         self.steps.wait_for(params)

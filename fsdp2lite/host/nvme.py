@@ -82,7 +82,9 @@ def nvme_path_problem(path: str, state_bytes: int | None = None) -> tuple[str, s
 
 
 def make_nvme_state(group: GroupView) -> None:
-    """Keep the optimizer state of ``group``'s parameters in files ([Note: optimizer state on NVMe])."""
+    """Keep the optimizer state of ``group``'s parameters in files ([Note: optimizer state on NVMe]); the host
+    engine calls it for the group's constructor (``HostSide.keep_state_in_files``). The step hooks are torch's
+    global ones: fsdp2lite never sees the user's optimizer, only its ``step()`` through them."""
     _nvme_groups.add(group)
     if not _hooks:
         _hooks.append(register_optimizer_step_pre_hook(_before_step))
