@@ -8,8 +8,9 @@
 # a file's spawned ranks and cached measurements are made once; the longest files first, LONGEST_FIRST in
 # tests/conftest.py, not xdist's most-tests-first), and meanwhile .venv-oldest is made (from the start, beside
 # .venv's setup) and its part runs, its output held back and printed after the first run's. On 2 cores
-# (2026-11-29, from clean clones of 152e13e and 86e3503) the command took 12m44s and 12m48s (20m50s that
-# morning, before the tests of examples/train.py forked their ranks from the test fork server).
+# (2026-11-29, from clean clones of 152e13e, 86e3503 and 3581059) the command took 12m44s, 12m48s and
+# 13m35s (20m50s that morning, before the tests of examples/train.py forked their ranks from the test fork
+# server).
 # FSDP2LITE_TEST_WORKERS sets the workers (0: one pytest process, as plain pytest).
 # Every process computes on one thread (OMP_NUM_THREADS=1, as the spawned ranks already do): with several
 # pytest processes on 2 cores, an idle OpenMP thread spinning for work takes a core from a process that has it.
